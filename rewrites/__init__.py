@@ -1,0 +1,1 @@
+"""One module per model family. Each exports `REWRITES`: the `surgery.Rewrite`s that `surgery.unfuse` applies."""

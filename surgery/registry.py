@@ -1,0 +1,76 @@
+"""The rewrite registry: what each model family declares, and where `surgery` finds it.
+
+Each module of the `rewrites` package exports `REWRITES`, a tuple of `Rewrite`s; they are loaded on first use.
+Other packages may add their own with `register`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+from .slicing import Slice
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+def _no_check(module: nn.Module, path: str, verb: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One fused module class and its equivalent unfused form.
+
+    `slices(module)` lists, for either form, which rows/columns of each fused parameter each unfused parameter is.
+    `build_unfused` / `build_fused` return the other form's structure on the meta device, sharing every submodule that
+    is not a slice target; the engine fills the slice targets. Neither builder may mutate its argument.
+    """
+
+    name: str
+    fused: type[nn.Module]
+    unfused: type[nn.Module]
+    slices: Callable[[nn.Module], list[Slice]]
+    build_unfused: Callable[[nn.Module], nn.Module]
+    build_fused: Callable[[nn.Module], nn.Module]
+    is_fused: Callable[[nn.Module], bool] = field(default=_always)
+    # Family-specific checks run before anything changes, on either form: `check(module, path, verb)`.
+    check: Callable[[nn.Module, str, str], None] = field(default=_no_check)
+    # False where diffusers checkpoints never hold the fused keys (a run-time fusion like `fuse_qkv_projections`).
+    in_checkpoints: bool = True
+
+    def matches_fused(self, module: nn.Module) -> bool:
+        return type(module) is self.fused and self.is_fused(module)
+
+    def matches_unfused(self, module: nn.Module) -> bool:
+        return type(module) is self.unfused
+
+
+_registry: list[Rewrite] = []
+_builtins_loaded = False
+
+
+def register(*rewrites: Rewrite) -> None:
+    """Add rewrites for a model family that lives outside the `rewrites` package."""
+    for rewrite in rewrites:
+        if any(r.name == rewrite.name for r in _registry):
+            raise ValueError(f"A rewrite named {rewrite.name!r} is already registered.")
+        _registry.append(rewrite)
+
+
+def registered() -> tuple[Rewrite, ...]:
+    """Every registered rewrite, loading the `rewrites` package's modules on first call."""
+    global _builtins_loaded
+    if not _builtins_loaded:
+        _builtins_loaded = True
+        import rewrites
+
+        for info in pkgutil.iter_modules(rewrites.__path__):
+            register(*importlib.import_module(f"rewrites.{info.name}").REWRITES)
+    return tuple(_registry)

@@ -1,0 +1,66 @@
+"""Weight slicing: row slices are views of the fused storage, column slices are copies.
+
+A `Slice` names one piece of a fused parameter and the unfused parameter it becomes. The same table drives
+`unfuse`, `fuse`, the state-dict conversions, the sharded loader and the inspection views.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slice:
+    """`fused[start:stop]` along `dim` is the whole of `unfused` (names are relative to a module or a model)."""
+
+    fused: str
+    unfused: str
+    dim: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def prefixed(self, prefix: str) -> "Slice":
+        if not prefix:
+            return self
+        return Slice(f"{prefix}.{self.fused}", f"{prefix}.{self.unfused}", self.dim, self.start, self.stop)
+
+
+def take(tensor: torch.Tensor, s: Slice) -> tuple[torch.Tensor, int]:
+    """This slice of `tensor` and the bytes copied to make it: a view for dim 0, a contiguous copy otherwise."""
+    piece = tensor.detach().narrow(s.dim, s.start, s.size)
+    if piece.is_contiguous():
+        return piece, 0
+    copy = piece.contiguous()
+    return copy, 0 if copy.is_meta else copy.numel() * copy.element_size()
+
+
+def _adjacent_rows(parts: list[torch.Tensor]) -> bool:
+    """Whether `parts` lie back to back in one storage, so that their row concatenation is a view."""
+    first = parts[0]
+    if first.is_meta or any(p.dtype != first.dtype or not p.is_contiguous() for p in parts):
+        return False
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for part in parts:
+        if part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
+            return False
+        offset += part.numel()
+    return True
+
+
+def concat(parts: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, int]:
+    """`torch.cat(parts, dim)` and the bytes copied; a view (no copy) when row slices still share one storage."""
+    parts = [p.detach() for p in parts]
+    if dim == 0 and _adjacent_rows(parts):
+        first = parts[0]
+        shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+        whole = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+        return whole, 0
+    whole = torch.cat(parts, dim=dim)
+    return whole, 0 if whole.is_meta else whole.numel() * whole.element_size()

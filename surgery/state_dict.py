@@ -1,0 +1,50 @@
+"""Fused <-> unfused state-dict keys, as slices: what the sharded loader and the converter read."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from .rewrite import _groups, find_modules
+from .slicing import Slice, concat, take
+
+
+def key_map(model: nn.Module) -> list[Slice]:
+    """Every checkpoint slice of `model` (fused or unfused, or a mix): fused key, unfused key, dim, rows/columns.
+
+    Keys not listed are the same in both layouts. Works on the meta device.
+    """
+    slices: list[Slice] = []
+    for fused in (True, False):
+        for path, module, rewrite in find_modules(model, fused=fused):
+            if rewrite.in_checkpoints:
+                slices += [s.prefixed(path) for s in rewrite.slices(module)]
+    return slices
+
+
+def _missing(state_dict: Mapping[str, torch.Tensor], keys: list[str], layout: str) -> None:
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise KeyError(f"The {layout} state dict lacks {len(missing)} key(s) the key map needs, first {missing[0]!r}.")
+
+
+def unfuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> dict[str, torch.Tensor]:
+    """A fused (diffusers) state dict in the unfused layout. Row slices are views; column slices are copies."""
+    _missing(state_dict, sorted({s.fused for s in slices}), "fused")
+    sources = {s.fused for s in slices}
+    out = {k: v for k, v in state_dict.items() if k not in sources}
+    for s in slices:
+        out[s.unfused] = take(state_dict[s.fused], s)[0]
+    return out
+
+
+def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> dict[str, torch.Tensor]:
+    """An unfused state dict in the fused (diffusers) layout; rows that are adjacent views are joined without a copy."""
+    _missing(state_dict, [s.unfused for s in slices], "unfused")
+    targets = {s.unfused for s in slices}
+    out = {k: v for k, v in state_dict.items() if k not in targets}
+    for fused_name, group in _groups(slices):
+        out[fused_name] = concat([state_dict[s.unfused] for s in group], group[0].dim)[0]
+    return out

@@ -1,0 +1,134 @@
+"""Bad input gets a clear error naming the module and leaves the model exactly as it was."""
+
+import os
+import socket
+import unittest
+import warnings
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import surgery
+import surgery.rewrite
+from flux2_testing import assert_unchanged, build, small_config, snapshot
+
+SINGLE = "single_transformer_blocks.1.attn"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Refusals(unittest.TestCase):
+    def setUp(self):
+        self.model = build(small_config("klein4b_small"))
+
+    def assert_refused(self, pattern, verb=surgery.unfuse, model=None):
+        model = model or self.model
+        snap = snapshot(model)
+        with self.assertRaisesRegex(surgery.SurgeryError, pattern):
+            verb(model)
+        assert_unchanged(model, snap)
+
+    def test_peft_lora_layers(self):
+        from peft import LoraConfig
+
+        self.model.add_adapter(LoraConfig(r=2, target_modules=["to_qkv_mlp_proj"]))
+        self.assert_refused(r"'single_transformer_blocks.0.attn.to_qkv_mlp_proj' is wrapped by a PEFT/LoRA adapter .*unload")
+
+    def test_dynamically_quantized_linear(self):
+        attn = self.model.single_transformer_blocks[1].attn
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            attn.to_qkv_mlp_proj = torch.ao.quantization.quantize_dynamic(
+                nn.Sequential(attn.to_qkv_mlp_proj), {nn.Linear}, dtype=torch.qint8
+            )[0]
+        self.assert_refused(rf"'{SINGLE}.to_qkv_mlp_proj' is a .*quantized.*before quantizing")
+
+    def test_quantized_model_flag(self):
+        self.model.is_quantized = True
+        self.assert_refused(r"is quantized")
+
+    def test_int8_weight(self):
+        linear = self.model.transformer_blocks[0].ff.linear_in
+        linear.weight = nn.Parameter(torch.zeros_like(linear.weight, dtype=torch.int8), requires_grad=False)
+        self.assert_refused(r"'transformer_blocks.0.ff.linear_in.weight' holds .* torch.int8, which looks quantized")
+
+    def test_hooks_that_a_swap_would_lose(self):
+        self.model.single_transformer_blocks[2].attn.to_qkv_mlp_proj.register_forward_hook(lambda *a: None)
+        self.assert_refused(r"'single_transformer_blocks.2.attn.to_qkv_mlp_proj' .* has _forward_hooks")
+
+    def test_layerwise_casting_hooks(self):
+        self.model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+        self.assert_refused(r"diffusers hooks")
+
+    def test_attributes_that_no_longer_describe_the_weights(self):
+        self.model.single_transformer_blocks[1].attn.mlp_hidden_dim += 8
+        self.assert_refused(rf"'{SINGLE}.to_qkv_mlp_proj.weight' has shape \(432, 48\), but .* give 448 along dim 0")
+
+    def test_custom_processor(self):
+        class MyProcessor:
+            def __call__(self, attn, hidden_states, **kw):
+                return attn.to_out(hidden_states)
+
+        self.model.single_transformer_blocks[0].attn.set_processor(MyProcessor())
+        self.assert_refused(r"custom attention processor MyProcessor")
+
+    def test_fuse_parts_that_disagree(self):
+        surgery.unfuse(self.model)
+        self.model.single_transformer_blocks[1].attn.to_k.requires_grad_(False)
+        self.assert_refused(rf"the parts of '{SINGLE}.to_qkv_mlp_proj.weight' differ in requires_grad", surgery.fuse)
+
+    def test_fuse_a_resized_part(self):
+        surgery.unfuse(self.model)
+        self.model.transformer_blocks[0].ff.linear_up = nn.Linear(48, 100, bias=False)
+        self.assert_refused(r"'transformer_blocks.0.ff.linear_up.weight' has shape \(100, 48\)", surgery.fuse)
+
+    def test_failure_midway_rolls_back(self):
+        convert, calls = surgery.rewrite._convert, []
+
+        def failing(module, rewrite, unfusing):
+            calls.append(unfusing)
+            if unfusing and len(calls) == 4:
+                raise MemoryError("simulated")
+            return convert(module, rewrite, unfusing)
+
+        snap = snapshot(self.model)
+        state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        with mock.patch.object(surgery.rewrite, "_convert", failing), self.assertRaises(MemoryError):
+            surgery.unfuse(self.model)
+        self.assertEqual(calls, [True] * 4 + [False] * 3)
+        self.assertEqual([type(m) for _, m in self.model.named_modules()], [t for _, _, t in snap[0]])
+        for key, value in self.model.state_dict().items():
+            self.assertTrue(torch.equal(value, state[key]), key)
+
+
+class AlreadySharded(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def test_dtensor_weights(self):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        model = build(small_config("klein4b_small"))
+        mesh = init_device_mesh("cpu", (1,))
+        linear = model.single_transformer_blocks[3].attn.to_qkv_mlp_proj
+        linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+        snap = snapshot(model)
+        with self.assertRaisesRegex(
+            surgery.SurgeryError,
+            r"'single_transformer_blocks.3.attn.to_qkv_mlp_proj.weight' is already sharded .*Shard\(dim=0\)",
+        ):
+            surgery.unfuse(model)
+        assert_unchanged(model, snap)
