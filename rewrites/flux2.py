@@ -29,6 +29,8 @@ from diffusers.models.transformers.transformer_flux2 import (
     _flux2_kv_causal_attention,
 )
 from einops import rearrange
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel
 
 from surgery.checks import SurgeryError
 from surgery.registry import Rewrite
@@ -56,6 +58,14 @@ class Flux2UnfusedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_out(self.act_fn(self.linear_gate(x)) * self.linear_up(x))
+
+
+# gate and up split the hidden units across ranks; linear_out all-reduces once.
+FEED_FORWARD_TP_PLAN = {
+    "linear_gate": ColwiseParallel(),
+    "linear_up": ColwiseParallel(),
+    "linear_out": RowwiseParallel(),
+}
 
 
 def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -216,6 +226,43 @@ class Flux2UnfusedParallelSelfAttention(nn.Module, AttentionModuleMixin):
 
     # The stock forward only filters kwargs by the processor's signature and calls it: reuse it as is.
     forward = Flux2ParallelSelfAttention.forward
+
+
+# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim], sharded on dim 2): their weights become
+# replicated DTensors so that their gradients are summed over ranks. No collective in forward.
+HEAD_NORM = SequenceParallel(sequence_dim=2, use_local_output=True)
+
+# Heads and MLP hidden units split across ranks. Both output projections leave partial sums, and the module's output
+# resolves their sum with one all-reduce: one collective per single-stream block.
+PARALLEL_SELF_ATTENTION_TP_PLAN = {
+    "to_q": ColwiseParallel(),
+    "to_k": ColwiseParallel(),
+    "to_v": ColwiseParallel(),
+    "norm_q": HEAD_NORM,
+    "norm_k": HEAD_NORM,
+    "mlp.linear_gate": ColwiseParallel(),
+    "mlp.linear_up": ColwiseParallel(),
+    "to_out": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+    "mlp.linear_out": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+    "": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+}
+
+
+# The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output projection.
+ATTENTION_TP_PLAN = {
+    "to_q": ColwiseParallel(),
+    "to_k": ColwiseParallel(),
+    "to_v": ColwiseParallel(),
+    "norm_q": HEAD_NORM,
+    "norm_k": HEAD_NORM,
+    "to_out.0": RowwiseParallel(),
+    "add_q_proj": ColwiseParallel(),
+    "add_k_proj": ColwiseParallel(),
+    "add_v_proj": ColwiseParallel(),
+    "norm_added_q": HEAD_NORM,
+    "norm_added_k": HEAD_NORM,
+    "to_add_out": RowwiseParallel(),
+}
 
 
 class Flux2SplitQKVAttention(Flux2Attention):
@@ -412,6 +459,13 @@ REWRITES = (
         in_checkpoints=False,
     ),
 )
+
+TP_PLANS = {
+    Flux2Attention: ATTENTION_TP_PLAN,
+    Flux2SplitQKVAttention: ATTENTION_TP_PLAN,
+    Flux2UnfusedFeedForward: FEED_FORWARD_TP_PLAN,
+    Flux2UnfusedParallelSelfAttention: PARALLEL_SELF_ATTENTION_TP_PLAN,
+}
 
 
 # --- real configs and example inputs -------------------------------------------------------------------------------

@@ -7,12 +7,15 @@
 """
 
 from .checks import SurgeryError
-from .registry import Rewrite, register, registered
+from .distributed import CollectiveCounter, run_on_cpu_ranks
+from .registry import Rewrite, register, register_tp_plan, registered, tp_plans
 from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
+from .tensor_parallel import diffusers_tp_plan, planned_modules, tensor_parallel
 
 __all__ = [
+    "CollectiveCounter",
     "Rewrite",
     "RewriteRecord",
     "Slice",
@@ -22,8 +25,14 @@ __all__ = [
     "fuse_state_dict",
     "key_map",
     "last_report",
+    "diffusers_tp_plan",
+    "planned_modules",
     "register",
+    "register_tp_plan",
     "registered",
+    "run_on_cpu_ranks",
+    "tensor_parallel",
+    "tp_plans",
     "unfuse",
     "unfuse_state_dict",
 ]

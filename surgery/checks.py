@@ -16,11 +16,11 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _hook_kinds(module: nn.Module) -> list[str]:
+def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
     kinds = [
         name
         for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        if getattr(module, name, None)
+        if torch_hooks and getattr(module, name, None)
     ]
     if getattr(module, "_diffusers_hook", None) is not None:
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
@@ -38,14 +38,14 @@ def check_model(model: nn.Module, verb: str) -> None:
         )
 
 
-def check_hooks(module: nn.Module, path: str, verb: str) -> None:
-    """A module about to be swapped out must carry no hooks, which the new module would silently lose."""
-    kinds = _hook_kinds(module)
+def check_hooks(module: nn.Module, path: str, verb: str, torch_hooks: bool = True) -> None:
+    """No hooks that a swapped module would lose (`torch_hooks`), nor offloading/casting hooks that own the weights."""
+    kinds = _hook_kinds(module, torch_hooks)
     if kinds:
         raise SurgeryError(
-            f"surgery.{verb}: '{path}' ({type(module).__name__}) has {', '.join(kinds)}, which the rewritten module "
-            f"would lose. Remove them (disable offloading / layerwise casting / caching) before surgery.{verb}, "
-            "and enable them again afterwards."
+            f"surgery.{verb}: '{path}' ({type(module).__name__}) has {', '.join(kinds)}, which surgery.{verb} cannot "
+            f"carry over. Remove them (disable offloading / layerwise casting / caching) before surgery.{verb}, "
+            "and enable them again afterwards where they still apply."
         )
 
 
@@ -60,10 +60,15 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
         )
     for name, param in module.named_parameters(recurse=False):
         if _is_dtensor(param):
+            fix = (
+                "surgery.tensor_parallel has been applied already: shard a fresh, unsharded model instead."
+                if verb == "tensor_parallel"
+                else "Call surgery.unfuse on the unsharded model, then surgery.tensor_parallel; to fuse a sharded "
+                "model, gather it first (`full_tensor()`) into an unsharded copy."
+            )
             raise SurgeryError(
                 f"surgery.{verb}: '{path}.{name}' is already sharded (a DTensor with placements "
-                f"{tuple(param.placements)}). Call surgery.unfuse on the unsharded model, then surgery.tensor_parallel; "
-                "to fuse a sharded model, gather it first (`full_tensor()`) into an unsharded copy."
+                f"{tuple(param.placements)}). {fix}"
             )
     if cls is not nn.Linear:
         what = "a quantized layer" if "quant" in f"{cls.__module__}.{cls.__name__}".lower() else "not a torch.nn.Linear"
@@ -77,4 +82,3 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
                 f"surgery.{verb}: '{path}.{name}' holds a {type(param).__name__} of dtype {param.dtype}, which looks "
                 f"quantized. Run surgery.{verb} on the unquantized model, then quantize."
             )
-    check_hooks(module, path, verb)

@@ -1,7 +1,8 @@
 """The rewrite registry: what each model family declares, and where `surgery` finds it.
 
-Each module of the `rewrites` package exports `REWRITES`, a tuple of `Rewrite`s; they are loaded on first use.
-Other packages may add their own with `register`.
+Each module of the `rewrites` package exports `REWRITES`, a tuple of `Rewrite`s, and `TP_PLANS`, the stock
+tensor-parallel plan of each module class it shards; both are loaded on first use. Other packages may add their own
+with `register` and `register_tp_plan`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Rewrite:
 
 
 _registry: list[Rewrite] = []
+_tp_plans: dict[type[nn.Module], dict] = {}
 _builtins_loaded = False
 
 
@@ -64,13 +66,35 @@ def register(*rewrites: Rewrite) -> None:
         _registry.append(rewrite)
 
 
+def register_tp_plan(cls: type[nn.Module], plan: dict) -> None:
+    """Declare how `surgery.tensor_parallel` shards modules of exactly class `cls`.
+
+    `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the key `""` is the module itself.
+    """
+    _tp_plans[cls] = plan
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    import rewrites
+
+    for info in pkgutil.iter_modules(rewrites.__path__):
+        family = importlib.import_module(f"rewrites.{info.name}")
+        register(*family.REWRITES)
+        for cls, plan in getattr(family, "TP_PLANS", {}).items():
+            register_tp_plan(cls, plan)
+
+
 def registered() -> tuple[Rewrite, ...]:
     """Every registered rewrite, loading the `rewrites` package's modules on first call."""
-    global _builtins_loaded
-    if not _builtins_loaded:
-        _builtins_loaded = True
-        import rewrites
-
-        for info in pkgutil.iter_modules(rewrites.__path__):
-            register(*importlib.import_module(f"rewrites.{info.name}").REWRITES)
+    _load_builtins()
     return tuple(_registry)
+
+
+def tp_plans() -> dict[type[nn.Module], dict]:
+    """Every registered tensor-parallel plan, by module class."""
+    _load_builtins()
+    return dict(_tp_plans)

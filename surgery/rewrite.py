@@ -8,7 +8,7 @@ the exact inverse before the error propagates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.nn as nn
@@ -30,22 +30,29 @@ class RewriteRecord:
 
 
 _REPORT_ATTR = "_surgery_report"
+T = TypeVar("T")
+
+
+def outermost(model: nn.Module, match: Callable[[nn.Module], T | None]) -> list[tuple[str, nn.Module, T]]:
+    """`(path, module, match(module))` for each module that `match` accepts, skipping those nested in one already found."""
+    found: list[tuple[str, nn.Module, T]] = []
+    for path, module in model.named_modules():
+        if any(p == "" or path == p or path.startswith(p + ".") for p, _, _ in found):
+            continue
+        hit = match(module)
+        if hit is not None:
+            found.append((path, module, hit))
+    return found
 
 
 def find_modules(model: nn.Module, fused: bool) -> list[tuple[str, nn.Module, Rewrite]]:
     """`(path, module, rewrite)` for every module in fused (or unfused) form, outermost first, not nested."""
     rewrites = registered()
-    found: list[tuple[str, nn.Module, Rewrite]] = []
-    taken: list[str] = []
-    for path, module in model.named_modules():
-        if any(p == "" or path == p or path.startswith(p + ".") for p in taken):
-            continue
-        for rewrite in rewrites:
-            if rewrite.matches_fused(module) if fused else rewrite.matches_unfused(module):
-                found.append((path, module, rewrite))
-                taken.append(path)
-                break
-    return found
+
+    def match(module: nn.Module) -> Rewrite | None:
+        return next((r for r in rewrites if (r.matches_fused if fused else r.matches_unfused)(module)), None)
+
+    return outermost(model, match)
 
 
 def last_report(model: nn.Module) -> list[RewriteRecord]:
@@ -97,6 +104,9 @@ def _rewrite(model: nn.Module, unfusing: bool) -> nn.Module:
             root = _swap(root, slots, new, old)
         raise
     object.__setattr__(root, _REPORT_ATTR, records)
+    from .tensor_parallel import sync_diffusers_tp_plans  # imports this module
+
+    sync_diffusers_tp_plans(root)
     return root
 
 
@@ -125,7 +135,9 @@ def _check(module: nn.Module, path: str, rewrite: Rewrite, unfusing: bool, verb:
                 f"surgery.{verb}: '{path}' ({type(module).__name__}) has no parameter '{name}', which its "
                 f"{rewrite.name} rewrite reads. Was the module edited after it was built?"
             ) from None
-        check_linear(linear, f"{path}.{owner}" if path else owner, verb)
+        linear_path = f"{path}.{owner}" if path else owner
+        check_linear(linear, linear_path, verb)
+        check_hooks(linear, linear_path, verb)
 
     for fused_name, group in _groups(slices):
         dim = group[0].dim

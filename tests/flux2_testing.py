@@ -25,6 +25,9 @@ SMALL_CONFIGS = {
     # int(56 * 3.3) = 184: fractional mlp_ratio
     "fractional_mlp": dict(num_layers=1, num_single_layers=2, num_attention_heads=7, attention_head_dim=8,
                            joint_attention_dim=16, mlp_ratio=3.3, guidance_embeds=False),
+    # 8 heads and int(64 * 2.5) = 160 hidden units split evenly over 2 and 4 ranks
+    "tp_wide": dict(num_layers=2, num_single_layers=2, num_attention_heads=8, attention_head_dim=8,
+                    joint_attention_dim=24, mlp_ratio=2.5, guidance_embeds=True),
 }
 
 _ROPE = {8: (2, 2, 2, 2), 12: (2, 2, 4, 4), 16: (4, 4, 4, 4)}

@@ -1,0 +1,265 @@
+"""`tensor_parallel`: shard an unfused model with stock `parallelize_module`, one call per transformer block.
+
+Each module class that can be sharded has a plan of stock styles registered beside its definition (see
+`rewrites/flux2.py`). Nothing here runs in forward: the plans' hooks and DTensor do all the work.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from .checks import SurgeryError, check_hooks, check_linear, check_model
+from .registry import tp_plans
+from .rewrite import find_modules, outermost
+
+
+def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, ParallelStyle]]]:
+    """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only)."""
+    plans = tp_plans()
+
+    def match(module: nn.Module) -> dict | None:
+        plan = plans.get(type(module))
+        if plan is None:
+            return None
+        return {key: style for key, style in plan.items() if key == "" or _has_submodule(module, key)}
+
+    return outermost(model, match)
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def linear_placements(style: ParallelStyle) -> dict[str, tuple] | None:
+    """How a stock linear style places a Linear's parameters (`None` for styles that place none)."""
+    if isinstance(style, ColwiseParallel):
+        return {"weight": (Shard(0),), "bias": (Shard(0),)}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": (Shard(1),), "bias": (Replicate(),)}
+    return None
+
+
+def _one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    if not isinstance(mesh, DeviceMesh):
+        raise SurgeryError(
+            f"surgery.tensor_parallel: expected a torch DeviceMesh, got {type(mesh).__name__}. Build one with "
+            "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
+        )
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        hint = f"mesh['{names[-1]}']" if names else "a mesh built with mesh_dim_names, then mesh['tp']"
+        raise SurgeryError(
+            f"surgery.tensor_parallel: the mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; tensor parallelism "
+            f"shards over one. Pass its tensor-parallel sub-mesh, e.g. {hint}."
+        )
+    return mesh
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _validate(model: nn.Module, planned: list, world: int) -> None:
+    fused = find_modules(model, fused=True)
+    if fused:
+        path, module, _ = fused[0]
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' is still a fused {type(module).__name__} ({len(fused)} fused "
+            "module(s) in all); column sharding would cut across its concatenated projections. Call "
+            "surgery.unfuse(model) first."
+        )
+    if not planned:
+        known = sorted(cls.__name__ for cls in tp_plans())
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
+            f"(known: {', '.join(known)}). Register one with surgery.register_tp_plan."
+        )
+    check_model(model, "tensor_parallel")
+    check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
+    for path, module, plan in planned:
+        heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % world:
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
+                f"split evenly. Use a mesh size that divides {heads}: {_divisors(heads)}."
+            )
+        for key, style in plan.items():
+            placements = linear_placements(style)
+            if placements is None:
+                continue
+            linear_path = f"{path}.{key}" if path else key
+            linear = module.get_submodule(key)
+            check_linear(linear, linear_path, "tensor_parallel")
+            check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
+            dim = placements["weight"][0].dim
+            size = linear.weight.shape[dim]
+            if size % world:
+                what = "output features" if dim == 0 else "input features"
+                raise SurgeryError(
+                    f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
+                    f"split evenly. Use a mesh size that divides {size}: {_divisors(size)}."
+                )
+
+
+def _block_path(model: nn.Module, path: str) -> tuple[str, bool]:
+    """The enclosing transformer block: the path up to the first ModuleList element (True), else `path` (False)."""
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
+            return ".".join(parts[: i + 1]), True
+    return path, False
+
+
+def block_plans(model: nn.Module, planned: list) -> list[tuple[str, dict[str, ParallelStyle], ParallelStyle | None]]:
+    """`(block path, plan relative to the block, style for the block itself)`, each style a fresh copy."""
+    blocks: dict[str, tuple[dict, list]] = {}
+    for path, _, plan in planned:
+        block, _ = _block_path(model, path)
+        relative = path[len(block) :].lstrip(".")
+        entries, own = blocks.setdefault(block, ({}, []))
+        for key, style in plan.items():
+            full = ".".join(p for p in (relative, key) if p)
+            if full:
+                entries[full] = copy.copy(style)
+            else:
+                own.append(copy.copy(style))
+    return [(block, entries, own[0] if own else None) for block, (entries, own) in blocks.items()]
+
+
+def _local_shard(tensor: torch.Tensor, placement, mesh: DeviceMesh) -> torch.Tensor:
+    if isinstance(placement, Shard):
+        return tensor.chunk(mesh.size(), placement.dim)[mesh.get_local_rank()]
+    return tensor
+
+
+def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    """Place the planned Linears' parameters that are not on the mesh's device as DTensors, moving only shards.
+
+    torch's `distribute_tensor` would first move each whole weight to the device. Here each rank slices its shard
+    where the weight is and moves just that; the stock styles then find their parameters already placed. With an
+    integer `src_data_rank` that rank's values are sent one shard at a time (a broadcast per shard).
+    """
+    group = mesh.get_group()
+    for key, style in plan.items():
+        placements = linear_placements(style)
+        if placements is None:
+            continue
+        linear = module.get_submodule(key)
+        for name, param in list(linear.named_parameters(recurse=False)):
+            if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
+                continue
+            placement = placements[name][0]
+            local = _local_shard(param.detach(), placement, mesh).to(mesh.device_type).contiguous()
+            if src_data_rank is not None:
+                local = _shard_from(param.detach(), placement, mesh, src_data_rank, group, local)
+            tensor = DTensor.from_local(local, mesh, (placement,), run_check=False)
+            setattr(linear, name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+def _shard_from(host: torch.Tensor, placement, mesh: DeviceMesh, src: int, group, mine: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `host` as rank `src` holds it: one broadcast per shard, at most one extra on device."""
+    src_global = dist.get_global_rank(group, src)
+    rank = mesh.get_local_rank()
+    pieces = host.chunk(mesh.size(), placement.dim) if isinstance(placement, Shard) else [host]
+    for i, piece in enumerate(pieces):
+        buffer = piece.to(mesh.device_type).contiguous() if rank == src else torch.empty_like(mine)
+        dist.broadcast(buffer, src=src_global, group=group)
+        if i == rank or len(pieces) == 1:
+            mine = buffer
+    return mine
+
+
+def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int) -> None:
+    """Give every parameter and buffer held whole on each rank the values rank `src_data_rank` holds.
+
+    Covers plain tensors and replicated DTensors alike (`SequenceParallel` replicates norm weights with `from_local`,
+    which trusts every rank's copy).
+    """
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, src_data_rank)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if isinstance(tensor, DTensor):
+                if not all(p.is_replicate() for p in tensor.placements):
+                    continue
+                tensor = tensor.to_local()
+            if tensor.is_meta:
+                continue
+            data = tensor.detach()
+            on_mesh = data if data.device.type == mesh.device_type else data.to(mesh.device_type)
+            dist.broadcast(on_mesh, src=src, group=group)
+            if on_mesh is not data:
+                data.copy_(on_mesh)
+
+
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+    """Shard an unfused model over a 1-D `mesh` with stock `parallelize_module`; in place, returns `model`.
+
+    Every check runs first; a raised `SurgeryError` leaves the model untouched. `src_data_rank` (a rank of `mesh`)
+    is the rank whose weights every rank ends up with, as in `parallelize_module`; `None` lets each rank slice its
+    own identical copy (loaded from one checkpoint) with no collective at all. Weights may sit on another device than
+    the mesh (CPU weights, a cuda or neuron mesh): only shards are moved. Call `model.to(device)` afterwards to move
+    the replicated rest.
+    """
+    mesh = _one_dim_mesh(mesh)
+    planned = planned_modules(model)
+    _validate(model, planned, mesh.size())
+    for block_path, plan, own in block_plans(model, planned):
+        block = model.get_submodule(block_path)
+        shard_on_host(block, plan, mesh, src_data_rank)
+        parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
+        if own is not None:
+            parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
+    if src_data_rank is not None:
+        broadcast_replicated(model, mesh, src_data_rank)
+    return model
+
+
+def _style_name(style: ParallelStyle) -> str | None:
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise"
+    return None
+
+
+def diffusers_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The flat `_tp_plan` diffusers' `enable_parallelism` reads, for `model`'s current modules.
+
+    Plain "colwise"/"rowwise" entries only: diffusers' format has no partial outputs, so a single-stream block then
+    all-reduces twice (attention and MLP outputs) where `tensor_parallel` all-reduces once.
+    """
+    flat: dict[str, str] = {}
+    for path, _, plan in planned_modules(model):
+        block, in_list = _block_path(model, path)
+        prefix = f"{block.rpartition('.')[0]}.*" if in_list else block
+        for key, style in plan.items():
+            name = _style_name(style)
+            if name is not None:
+                flat[".".join(p for p in (prefix, path[len(block) :].lstrip("."), key) if p)] = name
+    return flat
+
+
+def sync_diffusers_tp_plans(model: nn.Module) -> None:
+    """Give each diffusers model in `model` that holds unfused modules an instance `_tp_plan` that fits them.
+
+    A model back in fused form loses the override and reads its class's packed plan again.
+    """
+    for module in model.modules():
+        if getattr(type(module), "_tp_plan", None) is None:
+            continue
+        if find_modules(module, fused=False):
+            module._tp_plan = diffusers_tp_plan(module)
+        else:
+            vars(module).pop("_tp_plan", None)
