@@ -514,3 +514,18 @@ def example_inputs(
         k: None if v is None else v.to(device=device, dtype=dtype if k in floating else v.dtype)
         for k, v in inputs.items()
     }
+
+
+def seeded_model(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """`Flux2Transformer2DModel(**config)`, every weight (norm scales too) drawn from `seed`, in eval mode."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(**config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            else:
+                param.normal_(1.0, 0.1)
+    return model.to(dtype).eval()

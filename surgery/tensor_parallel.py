@@ -137,20 +137,12 @@ def block_plans(model: nn.Module, planned: list) -> list[tuple[str, dict[str, Pa
     return [(block, entries, own[0] if own else None) for block, (entries, own) in blocks.items()]
 
 
-def _local_shard(tensor: torch.Tensor, placement, mesh: DeviceMesh) -> torch.Tensor:
-    if isinstance(placement, Shard):
-        return tensor.chunk(mesh.size(), placement.dim)[mesh.get_local_rank()]
-    return tensor
-
-
 def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> None:
     """Place the planned Linears' parameters that are not on the mesh's device as DTensors, moving only shards.
 
-    torch's `distribute_tensor` would first move each whole weight to the device. Here each rank slices its shard
-    where the weight is and moves just that; the stock styles then find their parameters already placed. With an
-    integer `src_data_rank` that rank's values are sent one shard at a time (a broadcast per shard).
+    torch's `distribute_tensor` would first move each whole weight to the device; here each rank slices its shard
+    where the weight is and moves just that. The stock styles then find their parameters already placed.
     """
-    group = mesh.get_group()
     for key, style in plan.items():
         placements = linear_placements(style)
         if placements is None:
@@ -159,25 +151,29 @@ def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank
         for name, param in list(linear.named_parameters(recurse=False)):
             if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
                 continue
-            placement = placements[name][0]
-            local = _local_shard(param.detach(), placement, mesh).to(mesh.device_type).contiguous()
-            if src_data_rank is not None:
-                local = _shard_from(param.detach(), placement, mesh, src_data_rank, group, local)
-            tensor = DTensor.from_local(local, mesh, (placement,), run_check=False)
+            tensor = place(param.detach(), placements[name][0], mesh, src_data_rank)
             setattr(linear, name, nn.Parameter(tensor, requires_grad=param.requires_grad))
 
 
-def _shard_from(host: torch.Tensor, placement, mesh: DeviceMesh, src: int, group, mine: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of `host` as rank `src` holds it: one broadcast per shard, at most one extra on device."""
-    src_global = dist.get_global_rank(group, src)
-    rank = mesh.get_local_rank()
-    pieces = host.chunk(mesh.size(), placement.dim) if isinstance(placement, Shard) else [host]
-    for i, piece in enumerate(pieces):
-        buffer = piece.to(mesh.device_type).contiguous() if rank == src else torch.empty_like(mine)
-        dist.broadcast(buffer, src=src_global, group=group)
-        if i == rank or len(pieces) == 1:
-            mine = buffer
-    return mine
+def place(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> DTensor:
+    """`tensor` (whole, on any device) as a DTensor on `mesh`, moving only this rank's shard to the mesh's device.
+
+    `src_data_rank=None` keeps this rank's own values; a rank number sends that rank's values one shard at a time
+    (a broadcast per shard: at most one shard besides this rank's own on the device at once).
+    """
+    pieces = tensor.chunk(mesh.size(), placement.dim) if isinstance(placement, Shard) else (tensor,)
+    rank = mesh.get_local_rank() if len(pieces) > 1 else 0
+    local = pieces[rank].to(mesh.device_type).contiguous()
+    if src_data_rank is not None:
+        group = mesh.get_group()
+        src = dist.get_global_rank(group, src_data_rank)
+        for i, piece in enumerate(pieces):
+            mine = mesh.get_local_rank() == src_data_rank
+            buffer = piece.to(mesh.device_type).contiguous() if mine else torch.empty_like(local)
+            dist.broadcast(buffer, src=src, group=group)
+            if i == rank:
+                local = buffer
+    return DTensor.from_local(local, mesh, (placement,), run_check=False)
 
 
 def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int) -> None:

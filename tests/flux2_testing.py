@@ -7,7 +7,8 @@ import copy
 import torch
 from diffusers import Flux2Transformer2DModel
 
-from rewrites.flux2 import example_inputs
+from rewrites.flux2 import example_inputs, seeded_model
+from surgery.verify import rel_err  # noqa: F401  (re-exported for the tests)
 
 # Small-width configs shaped like the real ones (depth and head-count ratios), plus awkward shapes.
 SMALL_CONFIGS = {
@@ -41,14 +42,7 @@ def small_config(name: str) -> dict:
 
 def build(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Flux2Transformer2DModel:
     """A seeded Flux2 model with every weight random (RMSNorm scales too), in eval mode."""
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(**config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 1.0 / max(param.shape[-1], 1) ** 0.5 if param.dim() > 1 else 0.1).add_(
-                1.0 if param.dim() == 1 else 0.0
-            )
-    return model.to(dtype).eval()
+    return seeded_model(config, seed, dtype)
 
 
 def inputs(config: dict, seed: int = 0, batch: int = 2, dtype: torch.dtype = torch.float32, **kw) -> dict:
@@ -60,12 +54,6 @@ def fused_and_copy(config: dict, seed: int = 0, dtype: torch.dtype = torch.float
     """A fused model and an independent deep copy (which the caller may unfuse)."""
     model = build(config, seed, dtype)
     return model, copy.deepcopy(model)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in fp64."""
-    actual, expected = actual.double(), expected.double()
-    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 def snapshot(model: torch.nn.Module) -> tuple:

@@ -78,6 +78,14 @@ class SourceRank(unittest.TestCase):
             self.assertLessEqual(result["src_data_rank"]["rank0_forward"], FP32_TOL)
 
 
+    @parameterized.expand([(w,) for w in WORLDS])
+    def test_host_side_placement_moves_only_shards(self, world):
+        for result in results(world):
+            for key, (equal, extra) in result["place"].items():
+                self.assertTrue(equal, key)
+                self.assertEqual(extra, 0 if key.endswith("none") else True, key)
+
+
 class DiffusersAPI(unittest.TestCase):
     @parameterized.expand([(w,) for w in WORLDS])
     def test_instance_tp_plan_shards_the_unfused_model(self, world):

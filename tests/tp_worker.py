@@ -132,6 +132,28 @@ def check_src_data_rank(rank, mesh) -> dict:
     return result
 
 
+def check_place(rank, mesh) -> dict:
+    """The host-side placement used when weights sit on another device than the mesh, run here on CPU."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from surgery.tensor_parallel import place
+
+    mine = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
+    rank0 = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for placement in (Shard(0), Shard(1), Replicate()):
+        with surgery.CollectiveCounter() as counter:
+            own = place(mine, placement, mesh, None)
+        out[f"{placement}-none"] = (torch.equal(own.to_local(), _expected_local(mine, placement, mesh)), counter.total)
+        from_rank0 = place(mine, placement, mesh, 0)
+        out[f"{placement}-0"] = (torch.equal(from_rank0.full_tensor(), rank0), from_rank0.placements == (placement,))
+    return out
+
+
+def _expected_local(tensor, placement, mesh):
+    return tensor.chunk(mesh.size(), placement.dim)[mesh.get_local_rank()] if placement.is_shard() else tensor
+
+
 def check_enable_parallelism_plan(rank, world, mesh) -> dict:
     """diffusers' `apply_tensor_parallel` with the instance `_tp_plan` that `unfuse` set: correct, plain styles."""
     config = small_config("klein9b_small")
@@ -187,5 +209,6 @@ def run(rank: int, world: int) -> dict:
         "kv": check_kv_cache(mesh, "tp_wide"),
         "src_data_rank": check_src_data_rank(rank, mesh),
         "enable_parallelism": check_enable_parallelism_plan(rank, world, mesh),
+        "place": check_place(rank, mesh),
         "refusals": check_refusals(rank, world, mesh),
     }
