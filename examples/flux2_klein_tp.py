@@ -9,9 +9,10 @@
     # CPU, gloo (slow; for checking the plumbing)
     torchrun --nproc-per-node 2 examples/flux2_klein_tp.py --device cpu --steps 1 --height 256 --width 256
 
-Every rank loads the same checkpoint on the host, so the transformer is sharded with `src_data_rank=None`: each rank
-slices its own copy, no weight collectives, and only shards are moved to the accelerator. The text encoder and VAE
-are replicated. Rank 0 saves the image.
+Each rank reads only its own slices of the transformer's safetensors (`surgery.load_tensor_parallel`): no rank ever
+holds the whole transformer, and no weight collective runs. `--full-load` instead loads the whole pipeline on every
+rank's host and shards it with `surgery.unfuse` + `surgery.tensor_parallel(..., src_data_rank=None)`. The text
+encoder and VAE are replicated. Rank 0 saves the image.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--out", default="flux2_klein_tp.png")
+    parser.add_argument("--full-load", action="store_true", help="load everything on each host, then shard")
     return parser.parse_args()
 
 
@@ -56,7 +58,8 @@ def main() -> None:
     args = parse_args()
     rank, world, device = setup(args.device)
 
-    from diffusers import Flux2KleinPipeline
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+    from huggingface_hub import snapshot_download
     from torch.distributed.device_mesh import init_device_mesh
 
     import surgery
@@ -64,10 +67,19 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("tp",))
 
+    if rank == 0 and not os.path.isdir(args.model):
+        snapshot_download(args.model)  # once, into the local cache every rank then reads from
+    dist.barrier()
+    folder = args.model if os.path.isdir(args.model) else snapshot_download(args.model, local_files_only=True)
+
     started = time.perf_counter()
-    pipe = Flux2KleinPipeline.from_pretrained(args.model, torch_dtype=dtype)  # on the host
-    surgery.unfuse(pipe.transformer)
-    surgery.tensor_parallel(pipe.transformer, mesh["tp"], src_data_rank=None)  # moves only shards to `device`
+    if args.full_load:
+        pipe = Flux2KleinPipeline.from_pretrained(folder, torch_dtype=dtype)  # on the host
+        surgery.unfuse(pipe.transformer)
+        surgery.tensor_parallel(pipe.transformer, mesh["tp"], src_data_rank=None)  # moves only shards to `device`
+    else:
+        transformer = surgery.load_tensor_parallel(Flux2Transformer2DModel, folder, mesh["tp"], dtype=dtype)
+        pipe = Flux2KleinPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=dtype)
     pipe.to(device)
     if rank == 0:
         print(f"loaded, unfused and sharded over {world} {args.device} ranks in {time.perf_counter() - started:.1f}s")

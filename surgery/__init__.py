@@ -6,7 +6,9 @@
     surgery.fuse(model)                   # the exact inverse of unfuse
 """
 
+from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
+from .loading import load_tensor_parallel
 from .distributed import CollectiveCounter, run_on_cpu_ranks
 from .registry import Rewrite, register, register_tp_plan, registered, tp_plans
 from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
@@ -19,6 +21,8 @@ __all__ = [
     "Rewrite",
     "RewriteRecord",
     "Slice",
+    "convert_checkpoint",
+    "load_tensor_parallel",
     "SurgeryError",
     "find_modules",
     "fuse",

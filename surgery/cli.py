@@ -35,6 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text-tokens", type=_positive, default=32)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--seed", type=int, default=0)
+
+    convert = commands.add_parser(
+        "convert",
+        help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
+        description="Reads SRC (a diffusers model folder, a pipeline folder or a cached repo id) and writes DST with "
+        "the same config.json and one safetensors file in the other layout. Memory: about one tensor.",
+    )
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.add_argument("--to", choices=["unfused", "fused"], default="unfused")
     return parser
 
 
@@ -53,6 +63,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(args.model, args.tp, args.layers, args.single_layers, args.head_dim, args.seed, args.dtype,
                    args.image_tokens, args.text_tokens)
+    if args.command == "convert":
+        from .checks import SurgeryError
+        from .checkpoint import convert_checkpoint
+
+        try:
+            print(f"wrote {convert_checkpoint(args.src, args.dst, to=args.to)}")
+        except SurgeryError as error:
+            parser.exit(1, f"surgery convert: {error}\n")
+        return 0
     return 2
 
 

@@ -8,14 +8,14 @@ the exact inverse before the error propagates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn as nn
 
 from .checks import SurgeryError, check_hooks, check_linear, check_model
 from .registry import Rewrite, registered
-from .slicing import Slice, concat, take
+from .slicing import Slice, concat, group_by_fused, take
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _check(module: nn.Module, path: str, rewrite: Rewrite, unfusing: bool, verb:
         check_linear(linear, linear_path, verb)
         check_hooks(linear, linear_path, verb)
 
-    for fused_name, group in _groups(slices):
+    for fused_name, group in group_by_fused(slices):
         dim = group[0].dim
         if unfusing:
             tensor = _param(module, fused_name)
@@ -168,15 +168,6 @@ def _check(module: nn.Module, path: str, rewrite: Rewrite, unfusing: bool, verb:
                 )
 
 
-def _groups(slices: list[Slice]) -> Iterator[tuple[str, list[Slice]]]:
-    """Slices grouped by fused parameter, each group in order along its dim."""
-    by_fused: dict[str, list[Slice]] = {}
-    for s in slices:
-        by_fused.setdefault(s.fused, []).append(s)
-    for name, group in by_fused.items():
-        yield name, sorted(group, key=lambda s: s.start)
-
-
 def _set_param(root: nn.Module, name: str, tensor: torch.Tensor, requires_grad: bool) -> None:
     owner, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(owner), leaf, nn.Parameter(tensor, requires_grad=requires_grad))
@@ -194,7 +185,7 @@ def _convert(module: nn.Module, rewrite: Rewrite, unfusing: bool) -> tuple[nn.Mo
             _set_param(target, s.unfused, piece, source.requires_grad)
             copied += n
     else:
-        for fused_name, group in _groups(slices):
+        for fused_name, group in group_by_fused(slices):
             parts = [_param(module, s.unfused) for s in group]
             whole, n = concat(parts, group[0].dim)
             _set_param(target, fused_name, whole, parts[0].requires_grad)

@@ -31,6 +31,14 @@ class Slice:
         return Slice(f"{prefix}.{self.fused}", f"{prefix}.{self.unfused}", self.dim, self.start, self.stop)
 
 
+def group_by_fused(slices: list[Slice]) -> list[tuple[str, list[Slice]]]:
+    """Slices grouped by fused parameter, in first-seen order, each group in order along its dim."""
+    groups: dict[str, list[Slice]] = {}
+    for s in slices:
+        groups.setdefault(s.fused, []).append(s)
+    return [(name, sorted(group, key=lambda s: s.start)) for name, group in groups.items()]
+
+
 def take(tensor: torch.Tensor, s: Slice) -> tuple[torch.Tensor, int]:
     """This slice of `tensor` and the bytes copied to make it: a view for dim 0, a contiguous copy otherwise."""
     piece = tensor.detach().narrow(s.dim, s.start, s.size)

@@ -7,8 +7,8 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from .rewrite import _groups, find_modules
-from .slicing import Slice, concat, take
+from .rewrite import find_modules
+from .slicing import Slice, concat, group_by_fused, take
 
 
 def key_map(model: nn.Module) -> list[Slice]:
@@ -45,6 +45,6 @@ def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice])
     _missing(state_dict, [s.unfused for s in slices], "unfused")
     targets = {s.unfused for s in slices}
     out = {k: v for k, v in state_dict.items() if k not in targets}
-    for fused_name, group in _groups(slices):
+    for fused_name, group in group_by_fused(slices):
         out[fused_name] = concat([state_dict[s.unfused] for s in group], group[0].dim)[0]
     return out

@@ -50,7 +50,7 @@ def linear_placements(style: ParallelStyle) -> dict[str, tuple] | None:
     return None
 
 
-def _one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if not isinstance(mesh, DeviceMesh):
         raise SurgeryError(
             f"surgery.tensor_parallel: expected a torch DeviceMesh, got {type(mesh).__name__}. Build one with "
@@ -70,7 +70,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _validate(model: nn.Module, planned: list, world: int) -> None:
+def validate(model: nn.Module, planned: list, world: int) -> None:
+    """Every check `tensor_parallel` makes, before anything changes."""
     fused = find_modules(model, fused=True)
     if fused:
         path, module, _ = fused[0]
@@ -208,20 +209,24 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     the mesh (CPU weights, a cuda or neuron mesh): only shards are moved. Call `model.to(device)` afterwards to move
     the replicated rest.
     """
-    mesh = _one_dim_mesh(mesh)
+    mesh = one_dim_mesh(mesh)
     planned = planned_modules(model)
-    _validate(model, planned, mesh.size())
+    validate(model, planned, mesh.size())
+    apply_plans(model, planned, mesh, src_data_rank)
+    if src_data_rank is not None:
+        broadcast_replicated(model, mesh, src_data_rank)
+    return model
+
+
+def apply_plans(model: nn.Module, planned: list, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    """One stock `parallelize_module` call per block (plus one for a block's own style); parameters already placed
+    as DTensors, by `shard_on_host` or a sharded load, pass through the stock styles untouched."""
     for block_path, plan, own in block_plans(model, planned):
         block = model.get_submodule(block_path)
         shard_on_host(block, plan, mesh, src_data_rank)
         parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
         if own is not None:
             parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
-    if src_data_rank is not None:
-        broadcast_replicated(model, mesh, src_data_rank)
-    return model
-
-
 def _style_name(style: ParallelStyle) -> str | None:
     if isinstance(style, ColwiseParallel):
         return "colwise"

@@ -1,0 +1,141 @@
+"""`load_tensor_parallel`: each rank reads only its own slices of a FLUX.2 checkpoint into the sharded unfused model."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from .checkpoint import Reader, TensorInfo, layout_of, model_on_meta, resolve_checkpoint
+from .checks import SurgeryError
+from .rewrite import unfuse
+from .slicing import Slice, group_by_fused
+from .state_dict import key_map
+from .tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
+
+
+def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
+    """Parameter name -> placement, for every parameter a stock linear style shards."""
+    out: dict[str, Placement] = {}
+    for path, module, plan in planned:
+        for key, style in plan.items():
+            placements = linear_placements(style)
+            if placements is None:
+                continue
+            prefix = ".".join(p for p in (path, key) if p)
+            for name, _ in module.get_submodule(key).named_parameters(recurse=False):
+                out[f"{prefix}.{name}"] = placements[name][0]
+    return out
+
+
+def _source_index(
+    shape: torch.Size, source: Slice | None, placement: Placement | None, rank: int, world: int
+) -> tuple[slice, ...]:
+    """Which part of the checkpoint tensor is this rank's piece of an unfused parameter of `shape`."""
+    index = [slice(None)] * len(shape)
+    if source is not None:
+        index[source.dim] = slice(source.start, source.stop)
+    if isinstance(placement, Shard):
+        dim, chunk = placement.dim, shape[placement.dim] // world
+        base = source.start if source is not None and source.dim == dim else 0
+        index[dim] = slice(base + rank * chunk, base + (rank + 1) * chunk)
+    return tuple(index)
+
+
+def _expected_shapes(model: nn.Module, slices: list[Slice], layout: str) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key -> the shape it must have, from the unfused meta model."""
+    unfused = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if layout == "unfused":
+        return unfused
+    shapes = {name: shape for name, shape in unfused.items() if name not in {s.unfused for s in slices}}
+    for fused, group in group_by_fused(slices):
+        shape = list(unfused[group[0].unfused])
+        shape[group[0].dim] = group[-1].stop
+        shapes[fused] = tuple(shape)
+    return shapes
+
+
+def _check_keys(reader: Reader, expected: dict[str, tuple[int, ...]], folder) -> dict[str, TensorInfo]:
+    present = set(reader.files)
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise SurgeryError(f"'{folder}' lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}.")
+    extra = sorted(present - set(expected))
+    if extra:
+        raise SurgeryError(
+            f"'{folder}' holds {len(extra)} tensor(s) the model has no place for, first {extra[0]!r}: a checkpoint "
+            "of another model or config?"
+        )
+    infos = {name: reader.info(name) for name in expected}
+    for name, shape in expected.items():
+        if infos[name].shape != shape:
+            raise SurgeryError(
+                f"'{folder}': tensor {name!r} has shape {infos[name].shape}, the model needs {shape}. "
+                "Does config.json match the weights?"
+            )
+    return infos
+
+
+def load_tensor_parallel(
+    model: type | nn.Module | None,
+    checkpoint: str | os.PathLike,
+    mesh: DeviceMesh,
+    *,
+    dtype: torch.dtype | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Build the model on meta, unfuse it, and read only this rank's slice of each tensor from `checkpoint`.
+
+    `model`: a diffusers model class (None: the class named in config.json), or a module built on the meta device.
+    `checkpoint`: a diffusers model folder, a pipeline folder (`transformer/`), or a repo id in the local Hugging
+    Face cache; safetensors, single file or sharded with an index, in the fused (diffusers) or unfused layout.
+    Replicated tensors are read whole. The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise,
+    on the mesh's device. Peak host memory is about this rank's shard plus the largest tensor it reads.
+    """
+    from tqdm.auto import tqdm
+
+    mesh = one_dim_mesh(mesh)
+    folder = resolve_checkpoint(checkpoint, cache_dir)
+    if isinstance(model, nn.Module):
+        on_meta = [n for n, p in model.named_parameters() if not p.is_meta]
+        if on_meta:
+            raise SurgeryError(f"load_tensor_parallel: pass a model built on the meta device; '{on_meta[0]}' is not.")
+    else:
+        model = model_on_meta(folder, model)
+    unfuse(model)
+    planned = planned_modules(model)
+    validate(model, planned, mesh.size())
+    placements = _placements(model, planned)
+    slices = key_map(model)
+    rank, world = mesh.get_local_rank(), mesh.size()
+    device = torch.device("cpu")
+    if mesh.device_type != "cpu":
+        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+    with Reader(folder) as reader:
+        layout = layout_of(set(reader.files), slices)
+        _check_keys(reader, _expected_shapes(model, slices, layout), folder)
+        sources = {s.unfused: s for s in slices} if layout == "fused" else {}
+        names = [name for name, _ in model.named_parameters()]
+        for name in tqdm(names, desc=f"loading {folder.name} ({world} ranks)", disable=not progress or rank != 0):
+            param = model.get_parameter(name)
+            source = sources.get(name)
+            placement = placements.get(name)
+            local = reader.read(source.fused if source else name,
+                                _source_index(param.shape, source, placement, rank, world))
+            local = local.to(device=device, dtype=dtype or local.dtype).contiguous()
+            if placement is not None:
+                local = DTensor.from_local(local, mesh, (placement,), run_check=False)
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, nn.Parameter(local, requires_grad=param.requires_grad))
+
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise SurgeryError(f"load_tensor_parallel: {left[0]!r} is not in the checkpoint and has no initializer.")
+    apply_plans(model, planned, mesh, src_data_rank=None)
+    return model.eval()
+

@@ -1,0 +1,197 @@
+"""Sharded loading: each rank reads only its slices; the converter; bad checkpoints."""
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from parameterized import parameterized
+from safetensors.torch import load_file, save_file
+
+import load_worker
+import surgery
+from flux2_testing import build, small_config
+from surgery.cli import main as surgery_main
+from surgery.distributed import free_port
+
+FP32_TOL, BF16_TOL = 1e-5, 3e-2
+ROOT = Path(tempfile.mkdtemp(prefix="surgery-load-"))
+# name -> (config, seed, dtype, save_pretrained kwargs)
+CHECKPOINTS = {
+    "tp_wide-fp32-single": ("tp_wide", 3, "float32", {}),
+    "klein9b-bf16-sharded": ("klein9b_small", 4, "bfloat16", {"max_shard_size": "60KB"}),
+}
+
+
+def tearDownModule():
+    shutil.rmtree(ROOT, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(name: str) -> str:
+    config, seed, dtype, kwargs = CHECKPOINTS[name]
+    folder = ROOT / name
+    build(small_config(config), seed, getattr(torch, dtype)).save_pretrained(folder, **kwargs)
+    return str(folder)
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_folder() -> str:
+    """A pipeline layout: model_index.json beside transformer/ (dev-shaped, fp32)."""
+    folder = ROOT / "pipeline"
+    build(small_config("dev_small"), 5).save_pretrained(folder / "transformer")
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    return str(folder)
+
+
+@functools.lru_cache(maxsize=None)
+def hub_cache() -> str:
+    """A Hugging Face cache holding repo 'acme/flux2-tiny' at one snapshot, as `huggingface-cli download` leaves it."""
+    cache = ROOT / "hub"
+    repo = cache / "models--acme--flux2-tiny"
+    shutil.copytree(checkpoint("tp_wide-fp32-single"), repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    return str(cache)
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(world: int, name: str) -> list[dict]:
+    config, seed, dtype, _ = CHECKPOINTS[name]
+    return surgery.run_on_cpu_ranks(load_worker.compare, world, checkpoint(name), config, seed, dtype)
+
+
+class ShardedLoad(unittest.TestCase):
+    @parameterized.expand([(w, name) for w in (2, 4) for name in CHECKPOINTS])
+    def test_bitwise_as_unfuse_then_tensor_parallel_and_forward_matches(self, world, name):
+        tolerance = FP32_TOL if "fp32" in name else BF16_TOL
+        for rank, result in enumerate(loaded(world, name)):
+            self.assertEqual(result["mismatched"], [], f"rank {rank}")
+            self.assertLessEqual(result["forward"], tolerance, f"rank {rank}")
+
+    def test_pipeline_folder_uses_its_transformer(self):
+        for result in surgery.run_on_cpu_ranks(load_worker.compare, 2, pipeline_folder(), "dev_small", 5, "float32"):
+            self.assertEqual(result["mismatched"], [])
+            self.assertLessEqual(result["forward"], FP32_TOL)
+
+    def test_repo_id_resolves_to_the_local_cache(self):
+        folder = surgery.checkpoint.resolve_checkpoint("acme/flux2-tiny", cache_dir=hub_cache())
+        self.assertEqual(sorted(os.listdir(folder)), sorted(os.listdir(checkpoint("tp_wide-fp32-single"))))
+        with self.assertRaisesRegex(surgery.SurgeryError, "not in the local Hugging Face cache"):
+            surgery.checkpoint.resolve_checkpoint("acme/absent", cache_dir=hub_cache())
+
+
+class PeakMemory(unittest.TestCase):
+    """A checkpoint of some hundreds of MB (klein-4B-shaped, reduced depth): each rank holds about its share."""
+
+    @classmethod
+    def setUpClass(cls):
+        from rewrites.flux2 import seeded_model
+        from surgery.demo import demo_config
+
+        cls.folder = ROOT / "klein4b-demo"
+        seeded_model(demo_config("klein-4b"), 0).save_pretrained(cls.folder)
+        cls.size = sum(f.stat().st_size for f in cls.folder.glob("*.safetensors"))  # fp32 on disk
+        cls.largest = max(v.nbytes for v in load_file(cls.folder / "diffusion_pytorch_model.safetensors").values())
+
+    @parameterized.expand([(2,), (4,)])
+    def test_peak_is_about_the_shard_plus_one_tensor(self, world):
+        warmup = checkpoint("tp_wide-fp32-single")
+        results = surgery.run_on_cpu_ranks(load_worker.peak_memory, world, str(self.folder), warmup)
+        self.assertGreater(self.size, 250 * 2**20)
+        full = results[0]
+        print(f"\n{self.size / 2**20:.0f} MB fp32 checkpoint loaded as bf16; diffusers' full load: peak "
+              f"{full['full_peak'] / 2**20:.0f} MB, {full['full_seconds']:.2f} s")
+        self.assertGreater(full["full_peak"], 0.45 * self.size)  # the whole model in bf16
+        for rank, r in enumerate(results):
+            print(f"world {world} rank {rank}: peak {r['peak'] / 2**20:.0f} MB owned (holds "
+                  f"{r['local_bytes'] / 2**20:.0f} MB; {r['mapped_peak'] / 2**20:.0f} MB with mapped file pages), "
+                  f"{r['seconds']:.2f} s")
+            self.assertLess(r["peak"], r["local_bytes"] + self.largest + 32 * 2**20)
+            self.assertLess(r["peak"], (0.75 if world == 2 else 0.55) * full["full_peak"])
+
+
+class Convert(unittest.TestCase):
+    def test_round_trip_is_bitwise(self):
+        source = checkpoint("klein9b-bf16-sharded")
+        with tempfile.TemporaryDirectory() as tmp:
+            surgery.convert_checkpoint(source, f"{tmp}/unfused")
+            self.assertEqual(surgery_main(["convert", f"{tmp}/unfused", f"{tmp}/fused", "--to", "fused"]), 0)
+            original = build(small_config("klein9b_small"), 4, torch.bfloat16).state_dict()
+            back = load_file(f"{tmp}/fused/diffusion_pytorch_model.safetensors")
+            self.assertEqual(back.keys(), original.keys())
+            for key, value in original.items():
+                self.assertTrue(torch.equal(back[key], value), key)
+            unfused = load_file(f"{tmp}/unfused/diffusion_pytorch_model.safetensors")
+            model = surgery.unfuse(build(small_config("klein9b_small"), 4, torch.bfloat16))
+            self.assertEqual(unfused.keys(), model.state_dict().keys())
+            with self.assertRaisesRegex(surgery.SurgeryError, "already in the unfused layout"):
+                surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/again")
+
+    def test_unfused_layout_loads_sharded(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            surgery.convert_checkpoint(checkpoint("tp_wide-fp32-single"), tmp)
+            for result in surgery.run_on_cpu_ranks(load_worker.compare, 2, tmp, "tp_wide", 3, "float32"):
+                self.assertEqual(result["mismatched"], [])
+
+
+class BadCheckpoints(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        cls.mesh = init_device_mesh("cpu", (1,))
+
+    @classmethod
+    def tearDownClass(cls):
+        dist.destroy_process_group()
+
+    def edited(self, tmp, edit):
+        folder = Path(tmp) / "bad"
+        shutil.copytree(checkpoint("tp_wide-fp32-single"), folder)
+        file = folder / "diffusion_pytorch_model.safetensors"
+        tensors = load_file(file)
+        edit(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+        return folder
+
+    def assert_refused(self, folder, pattern):
+        with self.assertRaisesRegex(surgery.SurgeryError, pattern):
+            surgery.load_tensor_parallel(None, folder, self.mesh, progress=False)
+
+    def test_missing_key(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.edited(tmp, lambda t: t.pop("single_transformer_blocks.1.attn.norm_k.weight"))
+            self.assert_refused(folder, r"lacks 1 tensor\(s\) .*'single_transformer_blocks.1.attn.norm_k.weight'")
+
+    def test_missing_fused_key(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.edited(tmp, lambda t: t.pop("transformer_blocks.1.ff.linear_in.weight"))
+            self.assert_refused(folder, r"neither the fused nor the unfused layout.*'transformer_blocks.1.ff.linear_in")
+
+    def test_extra_key(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.edited(tmp, lambda t: t.update({"lora.extra": torch.zeros(2)}))
+            self.assert_refused(folder, r"1 tensor\(s\) the model has no place for, first 'lora.extra'")
+
+    def test_wrong_shape(self):
+        key = "single_transformer_blocks.0.attn.to_out.weight"
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = self.edited(tmp, lambda t: t.update({key: torch.zeros(64, 100)}))
+            self.assert_refused(folder, rf"tensor '{key}' has shape \(64, 100\), the model needs \(64, 224\)")
+
+    def test_bin_checkpoint(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            build(small_config("tp_wide")).save_pretrained(tmp, safe_serialization=False)
+            self.assert_refused(tmp, r"holds no safetensors weights \(found \['diffusion_pytorch_model.bin'\]\)")
+
+    def test_not_a_model_folder(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            self.assert_refused(tmp, "has no config.json")
