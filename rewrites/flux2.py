@@ -520,12 +520,15 @@ def seeded_model(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32
     """`Flux2Transformer2DModel(**config)`, every weight (norm scales too) drawn from `seed`, in eval mode."""
     from diffusers import Flux2Transformer2DModel
 
+    from surgery.inspect import default_dtype
+
     torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(**config)
+    with default_dtype(dtype):
+        model = Flux2Transformer2DModel(**config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
             else:
                 param.normal_(1.0, 0.1)
-    return model.to(dtype).eval()
+    return model.eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -36,6 +37,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--seed", type=int, default=0)
 
+    plan = commands.add_parser(
+        "plan",
+        help="the per-rank layout, memory and collectives of a FLUX.2 config at a TP size, on one CPU",
+        description="Builds the model on the meta device, unfuses it and shards it under torch's fake process group "
+        "(nothing is allocated, no accelerator needed), then prints each parameter's placement and per-rank shape, "
+        "the bytes per rank, and the collectives of one forward.",
+    )
+    _model_arguments(plan, CONFIGS)
+    plan.add_argument("--tp", type=_positive, required=True, help="tensor-parallel size")
+    plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    plan.add_argument("--image-tokens", type=_positive, default=4096, help="default 4096 (a 1024x1024 image)")
+    plan.add_argument("--text-tokens", type=_positive, default=512)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="the rewrite table of a FLUX.2 config: which fused rows/columns each unfused Linear takes",
+        description="Builds the model on the meta device and lists what surgery.unfuse rewrites: module, class before "
+        "-> after, and the rows (views) or columns (copies) of the fused weight each new parameter takes.",
+    )
+    _model_arguments(inspect, CONFIGS)
+    inspect.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
+
     convert = commands.add_parser(
         "convert",
         help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
@@ -48,9 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_arguments(parser: argparse.ArgumentParser, configs: dict) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--model", choices=sorted(configs), default="klein-9b")
+    group.add_argument("--config", help="a diffusers transformer config.json instead")
+
+
+def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, dict]:
+    from rewrites.flux2 import CONFIGS
+
+    if args.config is None:
+        return f"FLUX.2-{args.model}", dict(CONFIGS[args.model])
+    try:
+        with open(args.config) as f:
+            config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+    except (OSError, ValueError) as error:
+        parser.error(f"--config {args.config}: {error}")
+    return args.config, config
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("plan", "inspect"):
+        return _plan_or_inspect(parser, args)
     if args.command == "demo":
         from rewrites.flux2 import CONFIGS
 
@@ -73,6 +118,45 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(1, f"surgery convert: {error}\n")
         return 0
     return 2
+
+
+def _plan_or_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    from . import inspect, render
+    from .checks import SurgeryError
+
+    name, config = _config(parser, args)
+    if args.command == "inspect":
+        with torch.device("meta"):
+            model = Flux2Transformer2DModel(**config)
+        rows = inspect.rewrite_table(model)
+        if not args.all:
+            rows = _collapse(rows, inspect.block_kind)
+        print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
+        print(render.text_table(rows))
+        return 0
+    try:
+        result = inspect.plan(config, args.tp, dtype=getattr(torch, args.dtype), image_tokens=args.image_tokens,
+                              text_tokens=args.text_tokens)
+    except SurgeryError as error:
+        parser.exit(1, f"surgery plan: {error}\n")
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    else:
+        print(render.plan_text(name, result))
+    return 0
+
+
+def _collapse(rows: list[dict], kind) -> list[dict]:
+    seen: dict[tuple, dict] = {}
+    for row in rows:
+        key = (kind(row["module"]), row["parameter"])
+        if key not in seen:
+            seen[key] = dict(row, module=key[0], count=0)
+        seen[key]["count"] += 1
+    return list(seen.values())
 
 
 if __name__ == "__main__":

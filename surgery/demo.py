@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from .render import mb
 from .verify import rel_err
 
 
@@ -62,10 +63,6 @@ def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tok
     }
 
 
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MB"
-
-
 def run(model: str, tp: int, layers: int, single_layers: int, head_dim: int, seed: int, dtype: str,
         image_tokens: int, text_tokens: int) -> int:
     import surgery
@@ -85,7 +82,7 @@ def run(model: str, tp: int, layers: int, single_layers: int, head_dim: int, see
     seconds = time.perf_counter() - started
     records = surgery.last_report(unfused)
     copied = sum(r.bytes_copied for r in records)
-    print(f"\nunfuse: {len(records)} modules rewritten in {seconds * 1e3:.1f} ms; {_mb(copied)} copied "
+    print(f"\nunfuse: {len(records)} modules rewritten in {seconds * 1e3:.1f} ms; {mb(copied)} copied "
           "(column splits of to_out); every row slice is a view of the fused weight")
     for record in records:
         print(f"  {record.path:<36} {record.before} -> {record.after}")
@@ -103,14 +100,14 @@ def run(model: str, tp: int, layers: int, single_layers: int, head_dim: int, see
     for rank, r in enumerate(results):
         counts = ", ".join(f"{n} {op}" for op, n in r["collectives"].items()) or "none"
         print(f"  rank {rank}: max relative error vs fused single device {r['error']:.2e}; collectives per forward: "
-              f"{counts} ({_mb(r['collective_bytes'])}); parameters {_mb(r['local_bytes'])}; "
+              f"{counts} ({mb(r['collective_bytes'])}); parameters {mb(r['local_bytes'])}; "
               f"forward {r['tp_seconds'] * 1e3:.0f} ms (fused single device {r['fused_seconds'] * 1e3:.0f} ms)")
     whole = sum(p.numel() for p in surgery.unfuse(seeded_model(config, seed, torch_dtype)).parameters())
     whole *= torch.finfo(torch_dtype).bits // 8
     sharded = results[0]["sharded_global_bytes"]
     print(f"  expected: {expected_collectives} all-reduces (4 per double block + 1 per single block, as diffusers' "
-          f"packed plan); {_mb(whole - sharded)} replicated + {_mb(sharded)} sharded / {tp} = "
-          f"{_mb(whole - sharded + sharded // tp)} per rank")
+          f"packed plan); {mb(whole - sharded)} replicated + {mb(sharded)} sharded / {tp} = "
+          f"{mb(whole - sharded + sharded // tp)} per rank")
     worst = max(r["error"] for r in results)
     tolerance = 1e-5 if torch_dtype == torch.float32 else 3e-2
     print(f"\n{'OK' if worst <= tolerance else 'MISMATCH'}: worst error {worst:.2e} (tolerance {tolerance:g})")

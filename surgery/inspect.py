@@ -1,0 +1,309 @@
+"""Inspection: what unfuse rewrote, how tensor parallelism lays each rank out, and graphs of a block.
+
+Plain data in, plain data out (lists of dicts); `surgery.render` turns them into text or HTML.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .distributed import CollectiveCounter
+from .rewrite import find_modules
+
+
+def rewrite_table(model: nn.Module) -> list[dict]:
+    """One row per unfused parameter: the module, its class before -> after, and the fused rows/columns it takes.
+
+    Works on a fused model (what `unfuse` would do), an unfused or a sharded one, and on the meta device.
+    """
+    rows = []
+    for fused in (True, False):
+        for path, module, rewrite in find_modules(model, fused=fused):
+            for s in rewrite.slices(module):
+                rows.append({
+                    "module": path,
+                    "from": rewrite.fused.__name__,
+                    "to": rewrite.unfused.__name__,
+                    "parameter": s.unfused,
+                    "fused": s.fused,
+                    "takes": f"{'rows' if s.dim == 0 else 'columns'} {s.start}:{s.stop}",
+                    "copy": s.dim != 0,
+                })
+    return rows
+
+
+def _placement(param: torch.Tensor) -> str:
+    if not isinstance(param, DTensor):
+        return "whole"
+    return ", ".join(f"Shard({p.dim})" if p.is_shard() else type(p).__name__ for p in param.placements)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules directly in `dtype` (no `.to()` pass over the parameters afterwards)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def tp_layout(model: nn.Module) -> list[dict]:
+    """One row per parameter of this rank: placement, global and local shape, bytes held here."""
+    rows = []
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        rows.append({
+            "parameter": name,
+            "placement": _placement(param),
+            "sharded": isinstance(param, DTensor) and any(p.is_shard() for p in param.placements),
+            "global shape": tuple(param.shape),
+            "local shape": tuple(local.shape),
+            "bytes": local.numel() * local.element_size(),
+        })
+    return rows
+
+
+def block_kind(path: str) -> str:
+    """`single_transformer_blocks.7.attn.to_q.weight` -> `single_transformer_blocks.*.attn.to_q.weight`."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path, count=1)
+
+
+def summarize_layout(rows: list[dict]) -> list[dict]:
+    """Layout rows with block indices collapsed: one row per parameter kind, with its count and bytes per block."""
+    kinds: dict[str, dict] = {}
+    for row in rows:
+        kind = block_kind(row["parameter"])
+        if kind not in kinds:
+            kinds[kind] = dict(row, parameter=kind, count=0)
+        kinds[kind]["count"] += 1
+    return list(kinds.values())
+
+
+class _Recorder(CollectiveCounter):
+    """A `CollectiveCounter` that also files each collective under the block running at the time."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+        self.block: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.total
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.total != before:
+            shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else ()
+            self.events.append({"kind": "collective", "op": func.__name__.split(".")[0], "block": self.block,
+                                "shape": shape})
+        return out
+
+
+@contextlib.contextmanager
+def _hooks(modules: dict[str, nn.Module], pre, post) -> Iterator[None]:
+    handles = []
+    for path, module in modules.items():
+        handles.append(module.register_forward_pre_hook(lambda m, a, k, p=path: pre(p, m, a, k), with_kwargs=True))
+        handles.append(module.register_forward_hook(lambda m, a, o, p=path: post(p, m, o)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _shape(x: Any) -> tuple | None:
+    if isinstance(x, (tuple, list)):
+        x = x[0] if x else None
+    if isinstance(x, DTensor):
+        return tuple(x.to_local().shape)
+    return tuple(x.shape) if isinstance(x, torch.Tensor) else None
+
+
+def collectives_by_block(model: nn.Module, **inputs) -> dict:
+    """Run one forward (meta tensors work) and count collectives per forward, per block kind, and their bytes."""
+    events: list[dict] = []
+    blocks = {f"{name}.{i}": block for name, child in model.named_children() if isinstance(child, nn.ModuleList)
+              for i, block in enumerate(child)}
+    recorder = _Recorder(events)
+
+    def enter(path, module, args, kwargs):
+        recorder.block = path
+
+    def leave(path, module, output):
+        recorder.block = None
+
+    with torch.no_grad(), _hooks(blocks, enter, leave), recorder:
+        model(**inputs)
+    per_kind: dict[str, set] = {}
+    counts: dict[str, int] = {}
+    for event in events:
+        kind = block_kind(event["block"]) if event["block"] else "outside blocks"
+        counts[kind] = counts.get(kind, 0) + 1
+        per_kind.setdefault(kind, set()).add(event["block"])
+    return {
+        "total": recorder.total,
+        "bytes": recorder.bytes,
+        "ops": dict(recorder.counts),
+        "per_block": {kind: counts[kind] // max(len(per_kind[kind]), 1) for kind in counts},
+    }
+
+
+def module_trace(module: nn.Module, *args, **kwargs) -> list[dict]:
+    """The calls of `module`'s leaf modules and the collectives between them, in order, with this rank's shapes.
+
+    On a sharded module this is the per-rank local graph: which Linear sees which local width, where the all-reduce
+    sits. Runs one forward (meta tensors work).
+    """
+    events: list[dict] = []
+    leaves = {path: m for path, m in module.named_modules() if path and not list(m.children())}
+
+    def enter(path, m, a, k):
+        x = a[0] if a else next(iter(k.values()), None)
+        events.append({"kind": "module", "path": path, "class": type(m).__name__, "in": _shape(x),
+                       "weight": _shape(getattr(m, "weight", None)), "placement": _placement(m.weight)
+                       if isinstance(getattr(m, "weight", None), torch.Tensor) else ""})
+
+    def leave(path, m, output):
+        for event in reversed(events):
+            if event.get("path") == path and "out" not in event:
+                event["out"] = _shape(output)
+                event["partial"] = isinstance(output, DTensor) and any(p.is_partial() for p in output.placements)
+                break
+
+    with torch.no_grad(), _hooks(leaves, enter, leave), _Recorder(events):
+        module(*args, **kwargs)
+    return [
+        e if e["kind"] == "module" else
+        {"kind": "collective", "path": e["op"], "class": "", "in": e["shape"], "weight": None, "placement": "",
+         "out": e["shape"], "partial": False}
+        for e in events
+    ]
+
+
+# --- torch.export graphs: the structural ops only -----------------------------------------------------------------
+
+_KEPT = {"linear", "rms_norm", "scaled_dot_product_attention", "silu", "cat", "split", "split_with_sizes", "chunk"}
+_COMBINE = {"mul", "add", "slice"}
+_PASS = {"getitem", "to", "unflatten", "flatten", "permute", "reshape", "view", "unsqueeze", "clone", "contiguous",
+         "expand", "transpose", "_to_copy", "alias"}
+
+
+def _op(node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.split(".")[0]
+
+
+def export_graph(module: nn.Module, args: tuple, kwargs: dict | None = None) -> list[dict]:
+    """`torch.export` of `module`, reduced to its structure: projections, norms, attention, activations, joins.
+
+    Each row: op, the parameter it uses (Linear and norm weights), the rows it reads from, output shape.
+    """
+    exported = torch.export.export(module, args, kwargs or {})
+    params = exported.graph_signature.inputs_to_parameters
+    source: dict[str, str | None] = {}  # node -> the kept node it carries (through casts, views, rope, ...)
+    direct: dict[str, bool] = {}  # node -> reached from a kept node through views and casts only
+    rows = []
+    for node in exported.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            source[node.name], direct[node.name] = None, False
+            continue
+        if node.op != "call_function":
+            continue
+        op = _op(node)
+        inputs = [a for a in node.args if hasattr(a, "name")] + [
+            x for a in node.args if isinstance(a, (list, tuple)) for x in a if hasattr(x, "name")]
+        data = [a.name for a in inputs if a.name not in params]
+        feeding = list(dict.fromkeys(source[n] for n in data if source.get(n)))
+        if op in _KEPT or (op in _COMBINE and data and all(direct.get(n) for n in data)):
+            label = f"{op}_{len(rows)}"
+            value = node.meta.get("val")
+            rows.append({
+                "node": label,
+                "op": op,
+                "parameter": ", ".join(params[a.name] for a in inputs if a.name in params),
+                "inputs": ", ".join(feeding) or "input",
+                "shape": tuple(value.shape) if isinstance(value, torch.Tensor) else
+                " + ".join(str(tuple(v.shape)) for v in value) if isinstance(value, (list, tuple)) else "",
+            })
+            source[node.name], direct[node.name] = label, True
+        else:
+            source[node.name] = feeding[0] if feeding else None
+            direct[node.name] = op in _PASS and bool(data) and all(direct.get(n) for n in data)
+    return rows
+
+
+def heads_by_rank(heads: int, world: int) -> list[range]:
+    """Which attention heads each rank owns under column sharding of q/k/v (contiguous blocks)."""
+    per = heads // world
+    return [range(rank * per, (rank + 1) * per) for rank in range(world)]
+
+
+# --- planning without the hardware ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
+    """torch's fake process group (backend "fake"): collectives are no-ops, so a mesh of any size fits one CPU."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .checks import SurgeryError
+
+    if dist.is_initialized():
+        raise SurgeryError("planning uses torch's fake process group; run it where no process group is initialized.")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def plan(config: dict, tp: int, *, dtype: torch.dtype = torch.bfloat16, image_tokens: int = 4096,
+         text_tokens: int = 512, batch: int = 1, model_class: type | None = None) -> dict:
+    """The exact per-rank layout and memory of `config` at tensor-parallel size `tp`, on one CPU, allocating nothing.
+
+    Builds the model on meta, unfuses and shards it under the fake process group, and runs one meta forward at
+    `image_tokens` + `text_tokens` (1024x1024 is 4096 image tokens) to count the collectives and their bytes.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .rewrite import unfuse
+    from .tensor_parallel import tensor_parallel
+
+    if model_class is None:
+        from diffusers import Flux2Transformer2DModel as model_class
+    from rewrites.flux2 import example_inputs
+
+    with fake_process_group(tp):
+        with torch.device("meta"), default_dtype(dtype):
+            model = model_class(**config)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        unfuse(model)
+        tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
+        layout = tp_layout(model)
+        inputs = example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
+                                dtype=dtype, device="meta")
+        collectives = collectives_by_block(model, **inputs)
+    sharded = [r for r in layout if r["sharded"]]
+    heads = config.get("num_attention_heads")
+    return {
+        "tp": tp,
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(torch.Size(r["global shape"]).numel() for r in layout),
+        "model_bytes": total,
+        "bytes_per_rank": sum(r["bytes"] for r in layout),
+        "replicated_bytes": sum(r["bytes"] for r in layout if not r["sharded"]),
+        "sharded_bytes": sum(r["bytes"] * tp for r in sharded),
+        "layout": layout,
+        "collectives": collectives,
+        "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch},
+        "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if heads else None,
+    }

@@ -1,0 +1,69 @@
+"""Rendering of inspection tables: aligned text for terminals, HTML for notebooks."""
+
+from __future__ import annotations
+
+import html
+from typing import Sequence
+
+from .inspect import summarize_layout
+
+
+def _cell(value) -> str:
+    if isinstance(value, tuple):
+        return " x ".join(str(v) for v in value) if value else "scalar"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def text_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows as an aligned plain-text table."""
+    if not rows:
+        return "(nothing)"
+    columns = list(columns or rows[0].keys())
+    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def html_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> str:
+    """Rows as an HTML table (for `IPython.display.HTML`)."""
+    if not rows:
+        return "<p>(nothing)</p>"
+    columns = list(columns or rows[0].keys())
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(row.get(c, '')))}</td>" for c in columns) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
+
+
+def plan_text(name: str, p: dict) -> str:
+    """`surgery plan`'s report."""
+    c = p["collectives"]
+    tokens = p["tokens"]
+    lines = [
+        f"{name}, tensor parallel {p['tp']} ({p['dtype']}; planned on the meta device under torch's fake process "
+        "group: nothing allocated)",
+        f"parameters {p['parameters'] / 1e9:.2f} B = {mb(p['model_bytes'])}; per rank {mb(p['bytes_per_rank'])} = "
+        f"{mb(p['replicated_bytes'])} replicated + {mb(p['sharded_bytes'])} sharded / {p['tp']}",
+        "",
+        text_table(
+            [dict(r, each=mb(r["bytes"])) for r in summarize_layout(p["layout"])],
+            ["parameter", "count", "placement", "global shape", "local shape", "each"],
+        ),
+        "",
+        f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
+        f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'}), {mb(c['bytes'])}",
+        "  per block: " + ", ".join(f"{kind} {n}" for kind, n in c["per_block"].items()),
+    ]
+    if p["heads"]:
+        lines.append("  heads per rank: " + ", ".join(f"rank {r}: {a}-{b - 1}" for r, (a, b) in enumerate(p["heads"])))
+    return "\n".join(lines)

@@ -1,0 +1,24 @@
+"""The notebooks run top to bottom in a fresh kernel (their committed outputs come from such a run)."""
+
+import unittest
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+from parameterized import parameterized
+
+NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+class Notebooks(unittest.TestCase):
+    def test_there_are_notebooks(self):
+        self.assertGreaterEqual(len(NOTEBOOKS), 2)
+
+    @parameterized.expand([(path.name,) for path in NOTEBOOKS])
+    def test_runs_clean(self, name):
+        path = next(p for p in NOTEBOOKS if p.name == name)
+        notebook = nbformat.read(path, as_version=4)
+        NotebookClient(notebook, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.output_type == "error"]
+        self.assertEqual(errors, [])
