@@ -30,11 +30,12 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 from einops import rearrange
 from torch.distributed.tensor import Partial, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
 from surgery.checks import SurgeryError
 from surgery.registry import Rewrite
 from surgery.slicing import Slice
+from surgery.tensor_parallel import per_head_norm
 
 
 class Flux2UnfusedFeedForward(nn.Module):
@@ -228,9 +229,8 @@ class Flux2UnfusedParallelSelfAttention(nn.Module, AttentionModuleMixin):
     forward = Flux2ParallelSelfAttention.forward
 
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim], sharded on dim 2): their weights become
-# replicated DTensors so that their gradients are summed over ranks. No collective in forward.
-HEAD_NORM = SequenceParallel(sequence_dim=2, use_local_output=True)
+# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
+HEAD_NORM = per_head_norm(2)
 
 # Heads and MLP hidden units split across ranks. Both output projections leave partial sums, and the module's output
 # resolves their sum with one all-reduce: one collective per single-stream block.

@@ -9,6 +9,7 @@
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
 from .loading import load_tensor_parallel
+from .lora import fuse_lora_state_dict, unfuse_lora_state_dict
 from .distributed import CollectiveCounter, run_on_cpu_ranks
 from .registry import Rewrite, register, register_tp_plan, registered, tp_plans
 from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
@@ -26,6 +27,7 @@ __all__ = [
     "SurgeryError",
     "find_modules",
     "fuse",
+    "fuse_lora_state_dict",
     "fuse_state_dict",
     "key_map",
     "last_report",
@@ -38,5 +40,6 @@ __all__ = [
     "tensor_parallel",
     "tp_plans",
     "unfuse",
+    "unfuse_lora_state_dict",
     "unfuse_state_dict",
 ]

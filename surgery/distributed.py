@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from collections import Counter
 from typing import Any, Callable
@@ -51,7 +52,8 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, que
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        queue.put((rank, fn(rank, world_size, *args)))
+        # plain pickle: tensors travel as bytes, not as shared memory that would vanish with this process
+        queue.put((rank, pickle.dumps(fn(rank, world_size, *args))))
     finally:
         dist.destroy_process_group()
 
@@ -77,7 +79,7 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
         finished = processes.join(timeout=0.05)  # re-raises a rank's exception with its traceback
         while not queue.empty():  # drain as we go, so a large result never blocks its sender
             rank, result = queue.get()
-            results[rank] = result
+            results[rank] = pickle.loads(result)
     missing = sorted(set(range(world_size)) - results.keys())
     if missing:
         raise RuntimeError(f"ranks {missing} exited without a result")

@@ -54,7 +54,8 @@ class Rewrite:
 
 
 _registry: list[Rewrite] = []
-_tp_plans: dict[type[nn.Module], dict] = {}
+_tp_plans: dict[type[nn.Module] | str, dict] = {}
+_tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
 _builtins_loaded = False
 
 
@@ -66,12 +67,23 @@ def register(*rewrites: Rewrite) -> None:
         _registry.append(rewrite)
 
 
-def register_tp_plan(cls: type[nn.Module], plan: dict) -> None:
+def register_tp_plan(
+    cls: type[nn.Module] | str, plan: dict, check: Callable[[nn.Module, str, int], None] | None = None
+) -> None:
     """Declare how `surgery.tensor_parallel` shards modules of exactly class `cls`.
 
-    `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the key `""` is the module itself.
+    `cls` may be a class or its qualified name ("package.module.Class"), so that a family's plans cost no import of
+    the library that defines it. `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the
+    key `""` is the module itself. `check(module, path, world_size)` raises `SurgeryError` for sizes the mesh cannot
+    split (beyond the generic checks).
     """
     _tp_plans[cls] = plan
+    if check is not None:
+        _tp_checks[cls] = check
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _load_builtins() -> None:
@@ -84,8 +96,9 @@ def _load_builtins() -> None:
     for info in pkgutil.iter_modules(rewrites.__path__):
         family = importlib.import_module(f"rewrites.{info.name}")
         register(*family.REWRITES)
+        checks = getattr(family, "TP_CHECKS", {})
         for cls, plan in getattr(family, "TP_PLANS", {}).items():
-            register_tp_plan(cls, plan)
+            register_tp_plan(cls, plan, checks.get(cls))
 
 
 def registered() -> tuple[Rewrite, ...]:
@@ -94,7 +107,15 @@ def registered() -> tuple[Rewrite, ...]:
     return tuple(_registry)
 
 
-def tp_plans() -> dict[type[nn.Module], dict]:
-    """Every registered tensor-parallel plan, by module class."""
+def tp_plan_for(module: nn.Module) -> tuple[dict | None, Callable | None]:
+    """The registered plan and check for `module`'s exact class (by class or by qualified name)."""
+    _load_builtins()
+    cls = type(module)
+    key = cls if cls in _tp_plans else qualified_name(cls)
+    return _tp_plans.get(key), _tp_checks.get(key)
+
+
+def tp_plans() -> dict[type[nn.Module] | str, dict]:
+    """Every registered tensor-parallel plan, by module class (or qualified class name)."""
     _load_builtins()
     return dict(_tp_plans)

@@ -13,19 +13,23 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from .checks import SurgeryError, check_hooks, check_linear, check_model
-from .registry import tp_plans
+from .registry import tp_plan_for, tp_plans
 from .rewrite import find_modules, outermost
 
 
 def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, ParallelStyle]]]:
     """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only)."""
-    plans = tp_plans()
-
     def match(module: nn.Module) -> dict | None:
-        plan = plans.get(type(module))
+        plan, _ = tp_plan_for(module)
         if plan is None:
             return None
         return {key: style for key, style in plan.items() if key == "" or _has_submodule(module, key)}
@@ -39,6 +43,15 @@ def _has_submodule(module: nn.Module, path: str) -> bool:
         return True
     except AttributeError:
         return False
+
+
+def per_head_norm(head_dim: int = 2) -> SequenceParallel:
+    """The style for a norm applied to each rank's own heads (QK-norm on `[batch, seq, heads, head_dim]`).
+
+    Its weight becomes a replicated DTensor and its input is declared sharded on the heads dim, so gradients of the
+    weight are summed over ranks; no collective runs in forward.
+    """
+    return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
 
 
 def linear_placements(style: ParallelStyle) -> dict[str, tuple] | None:
@@ -81,7 +94,7 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
             "surgery.unfuse(model) first."
         )
     if not planned:
-        known = sorted(cls.__name__ for cls in tp_plans())
+        known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
             f"(known: {', '.join(known)}). Register one with surgery.register_tp_plan."
@@ -89,6 +102,9 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
+        _, check = tp_plan_for(module)
+        if check is not None:
+            check(module, path, world)
         heads = getattr(module, "heads", None)
         if isinstance(heads, int) and heads % world:
             raise SurgeryError(

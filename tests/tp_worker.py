@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import copy
-from unittest import mock
-
 import torch
-from diffusers.models._modeling_parallel import TensorParallelConfig
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
+from surgery.baselines import diffusers_packed_tp
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 from test_unfuse_equivalence import use_kv_processors
 
@@ -40,17 +38,6 @@ def sharded(model, mesh, src_data_rank=0):
     return surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(model)), mesh, src_data_rank=src_data_rank)
 
 
-def diffusers_packed(model, mesh, rank, world, plan=None):
-    """diffusers 0.42's own TP (`apply_tensor_parallel`, what `enable_parallelism` calls), allowed on a CPU mesh."""
-    import diffusers.hooks.tensor_parallel as dtp
-
-    config = TensorParallelConfig(mesh=mesh)
-    config.setup(rank, world, torch.device("cpu"), mesh)
-    with mock.patch.object(dtp, "_SUPPORTED_TP_DEVICES", ("cpu",)):
-        dtp.apply_tensor_parallel(model, config, plan if plan is not None else model._tp_plan)
-    return model
-
-
 def check_case(rank, world, mesh, name, seed, batch, guidance) -> dict:
     config = small_config(name)
     fused = build(config, seed)
@@ -61,7 +48,7 @@ def check_case(rank, world, mesh, name, seed, batch, guidance) -> dict:
         model = sharded(fused, mesh)
         with surgery.CollectiveCounter() as ours:
             result["forward"] = rel_err(_forward(model, kw), expected)
-        packed = diffusers_packed(copy.deepcopy(fused), mesh, rank, world)
+        packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
         with surgery.CollectiveCounter() as theirs:
             result["diffusers_forward"] = rel_err(_forward(packed, kw), expected)
     result["collectives"], result["diffusers_collectives"] = dict(ours.counts), dict(theirs.counts)
@@ -160,7 +147,7 @@ def check_enable_parallelism_plan(rank, world, mesh) -> dict:
     fused = build(config, 9)
     kw = inputs(config, 9)
     with torch.no_grad():
-        model = diffusers_packed(surgery.unfuse(copy.deepcopy(fused)), mesh, rank, world)
+        model = diffusers_packed_tp(surgery.unfuse(copy.deepcopy(fused)), mesh)
         with surgery.CollectiveCounter() as counter:
             error = rel_err(_forward(model, kw), _forward(fused, kw))
     return {"forward": error, "collectives": dict(counter.counts)}
