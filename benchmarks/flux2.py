@@ -1,6 +1,6 @@
 """FLUX.2 side by side: fused vs unfused, and surgery's TP vs diffusers' packed TP, as ratios measured in one run.
 
-    python benchmarks/flux2.py                 # CPU: about 10 minutes on 2 cores
+    python benchmarks/flux2.py                 # CPU: about 8 minutes on 2 cores
     python benchmarks/flux2.py --smoke         # seconds: tiny sizes, one repeat (what CI runs; timings meaningless)
     python benchmarks/flux2.py --device cuda   # one GPU: full-size klein-9B bf16, eager and torch.compile
 
@@ -103,6 +103,7 @@ def single_device(args) -> list[dict]:
 def unfuse_cost(args) -> list[dict]:
     """Wall time and bytes copied by unfuse: real klein-4B-width models, and full-size configs on meta."""
     rows = []
+    surgery.registered()  # load the rewrite registry first: not part of unfuse's cost
     config = width_config("klein-4b", 1, 2 if not args.smoke else 1)
     if args.smoke:
         config.update(num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8))
@@ -160,6 +161,8 @@ def tensor_parallel_cpu(args) -> list[dict]:
 
     config = demo_config("klein-4b", 2, 4, 32) if not args.smoke else demo_config("klein-4b", 1, 1, 8)
     tokens = (args.image_tokens, args.text_tokens)
+    model = f"klein-4b shape, head_dim {config['attention_head_dim']}, {config['num_layers']}+" \
+            f"{config['num_single_layers']} blocks, fp32"
     rows = []
     for world in args.worlds:
         rank0 = surgery.run_on_cpu_ranks(tp_rank, world, config, tokens, args.repeats, args.warmup)[0]
@@ -167,7 +170,7 @@ def tensor_parallel_cpu(args) -> list[dict]:
         for name in ("surgery TP", "diffusers packed TP"):
             r = rank0[name]
             rows.append({
-                "world": world, "plan": name, "forward ms": t[name] * 1e3,
+                "model": model, "world": world, "plan": name, "forward ms": t[name] * 1e3,
                 "/ fused 1 device": t[name] / t["fused (1 device)"],
                 "/ diffusers": t[name] / t["diffusers packed TP"], "collectives": r["collectives"],
                 "all-reduced": render.mb(r["bytes"]), "param bytes / rank": render.mb(r["param bytes"]),
@@ -224,17 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks the script runs")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per model (default 5; smoke 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per model (default 3; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 1; smoke 0)")
     parser.add_argument("--image-tokens", type=int, default=None)
     parser.add_argument("--text-tokens", type=int, default=None)
     parser.add_argument("--worlds", type=int, nargs="+", default=None, help="CPU TP sizes (default 1 2 4)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.smoke else 5)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
     args.warmup = args.warmup if args.warmup is not None else (0 if args.smoke else 1)
-    args.image_tokens = args.image_tokens or (16 if args.smoke else 256)
-    args.text_tokens = args.text_tokens or (8 if args.smoke else 64)
+    args.image_tokens = args.image_tokens or (16 if args.smoke else 128)
+    args.text_tokens = args.text_tokens or (8 if args.smoke else 32)
     args.worlds = args.worlds or ([1, 2] if args.smoke else [1, 2, 4])
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")

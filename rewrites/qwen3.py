@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
+from surgery.checks import SurgeryError, mesh_sizes_dividing
 from surgery.tensor_parallel import per_head_norm
 
 _MODELING = "transformers.models.qwen3.modeling_qwen3"
@@ -33,10 +33,9 @@ def _check_heads(module: nn.Module, path: str, world: int) -> None:
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name)
         if heads % world:
-            divisors = [d for d in range(1, heads + 1) if heads % d == 0]
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}' has {name}={heads}, which a mesh of {world} cannot split into "
-                f"whole heads. Use a mesh size that divides {heads}: {divisors}."
+                f"whole heads. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
             )
 
 

@@ -82,3 +82,8 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
                 f"surgery.{verb}: '{path}.{name}' holds a {type(param).__name__} of dtype {param.dtype}, which looks "
                 f"quantized. Run surgery.{verb} on the unquantized model, then quantize."
             )
+
+
+def mesh_sizes_dividing(n: int, limit: int = 64) -> list[int]:
+    """The mesh sizes (up to `limit`) that split `n` evenly: what an error suggests instead."""
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]

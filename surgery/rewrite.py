@@ -90,16 +90,20 @@ def _rewrite(model: nn.Module, unfusing: bool) -> nn.Module:
 
     records: list[RewriteRecord] = []
     root = model
-    done: list[tuple[str, nn.Module, Rewrite]] = []
+    pending = found[::-1]
+    del found  # hold no old module longer than its swap: its column-split weights are freed one module at a time
+    done: list[tuple[nn.Module, Rewrite]] = []
     try:
-        for path, module, rewrite in found:
+        while pending:
+            path, module, rewrite = pending.pop()
             new, copied = _convert(module, rewrite, unfusing)
-            root = _swap(root, slots, module, new)
-            done.append((path, new, rewrite))
             slices = tuple(s.prefixed(path) for s in rewrite.slices(module))
-            records.append(RewriteRecord(path, _describe(module), _describe(new), slices, copied))
+            records.append(RewriteRecord(path, type(module).__name__, type(new).__name__, slices, copied))
+            root = _swap(root, slots, module, new)
+            done.append((new, rewrite))
+            del module
     except BaseException:
-        for _, new, rewrite in reversed(done):
+        for new, rewrite in reversed(done):
             old, _ = _convert(new, rewrite, not unfusing)
             root = _swap(root, slots, new, old)
         raise
@@ -108,10 +112,6 @@ def _rewrite(model: nn.Module, unfusing: bool) -> nn.Module:
 
     sync_diffusers_tp_plans(root)
     return root
-
-
-def _describe(module: nn.Module) -> str:
-    return type(module).__name__
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from .checks import SurgeryError, check_hooks, check_linear, check_model
+from .checks import SurgeryError, check_hooks, check_linear, check_model, mesh_sizes_dividing
 from .registry import tp_plan_for, tp_plans
 from .rewrite import find_modules, outermost
 
@@ -79,10 +79,6 @@ def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def validate(model: nn.Module, planned: list, world: int) -> None:
     """Every check `tensor_parallel` makes, before anything changes."""
     fused = find_modules(model, fused=True)
@@ -109,7 +105,7 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
         if isinstance(heads, int) and heads % world:
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
-                f"split evenly. Use a mesh size that divides {heads}: {_divisors(heads)}."
+                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
             )
         for key, style in plan.items():
             placements = linear_placements(style)
@@ -125,7 +121,7 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
                 what = "output features" if dim == 0 else "input features"
                 raise SurgeryError(
                     f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
-                    f"split evenly. Use a mesh size that divides {size}: {_divisors(size)}."
+                    f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
                 )
 
 

@@ -39,6 +39,11 @@ def compare(rank: int, world: int, checkpoint: str, name: str, seed: int, dtype_
     return {"mismatched": mismatched, "forward": error, "params": len(list(loaded.parameters()))}
 
 
+def compare_all(rank: int, world: int, specs: list[tuple]) -> list[dict]:
+    """`compare` for several (checkpoint, config name, seed, dtype) in one job."""
+    return [compare(rank, world, *spec) for spec in specs]
+
+
 class PeakMemory:
     """Samples this process's resident memory in a thread; `peak` is the most above the start.
 

@@ -61,23 +61,39 @@ def hub_cache() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def loaded(world: int, name: str) -> list[dict]:
-    config, seed, dtype, _ = CHECKPOINTS[name]
-    return surgery.run_on_cpu_ranks(load_worker.compare, world, checkpoint(name), config, seed, dtype)
+def unfused_layout() -> str:
+    folder = ROOT / "unfused-layout"
+    surgery.convert_checkpoint(checkpoint("tp_wide-fp32-single"), folder)
+    return str(folder)
+
+
+@functools.lru_cache(maxsize=None)
+def loaded(world: int) -> dict[str, list[dict]]:
+    """One job per world size loads every checkpoint; results by checkpoint name, then rank."""
+    specs = {name: (checkpoint(name), config, seed, dtype) for name, (config, seed, dtype, _) in CHECKPOINTS.items()}
+    if world == 2:
+        specs["pipeline"] = (pipeline_folder(), "dev_small", 5, "float32")
+        specs["unfused-layout"] = (unfused_layout(), "tp_wide", 3, "float32")
+    by_rank = surgery.run_on_cpu_ranks(load_worker.compare_all, world, list(specs.values()))
+    return {name: [results[i] for results in by_rank] for i, name in enumerate(specs)}
 
 
 class ShardedLoad(unittest.TestCase):
     @parameterized.expand([(w, name) for w in (2, 4) for name in CHECKPOINTS])
     def test_bitwise_as_unfuse_then_tensor_parallel_and_forward_matches(self, world, name):
         tolerance = FP32_TOL if "fp32" in name else BF16_TOL
-        for rank, result in enumerate(loaded(world, name)):
+        for rank, result in enumerate(loaded(world)[name]):
             self.assertEqual(result["mismatched"], [], f"rank {rank}")
             self.assertLessEqual(result["forward"], tolerance, f"rank {rank}")
 
     def test_pipeline_folder_uses_its_transformer(self):
-        for result in surgery.run_on_cpu_ranks(load_worker.compare, 2, pipeline_folder(), "dev_small", 5, "float32"):
+        for result in loaded(2)["pipeline"]:
             self.assertEqual(result["mismatched"], [])
             self.assertLessEqual(result["forward"], FP32_TOL)
+
+    def test_unfused_layout_loads_sharded(self):
+        for result in loaded(2)["unfused-layout"]:
+            self.assertEqual(result["mismatched"], [])
 
     def test_repo_id_resolves_to_the_local_cache(self):
         folder = surgery.checkpoint.resolve_checkpoint("acme/flux2-tiny", cache_dir=hub_cache())
@@ -132,12 +148,6 @@ class Convert(unittest.TestCase):
             self.assertEqual(unfused.keys(), model.state_dict().keys())
             with self.assertRaisesRegex(surgery.SurgeryError, "already in the unfused layout"):
                 surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/again")
-
-    def test_unfused_layout_loads_sharded(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            surgery.convert_checkpoint(checkpoint("tp_wide-fp32-single"), tmp)
-            for result in surgery.run_on_cpu_ranks(load_worker.compare, 2, tmp, "tp_wide", 3, "float32"):
-                self.assertEqual(result["mismatched"], [])
 
 
 class BadCheckpoints(unittest.TestCase):
