@@ -16,6 +16,7 @@ from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
 from .tensor_parallel import diffusers_tp_plan, planned_modules, tensor_parallel
+from .verify import rel_err
 
 __all__ = [
     "CollectiveCounter",
@@ -36,6 +37,7 @@ __all__ = [
     "register",
     "register_tp_plan",
     "registered",
+    "rel_err",
     "run_on_cpu_ranks",
     "tensor_parallel",
     "tp_plans",

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline, Flux2KleinPipeline
+from diffusers import (
+    AutoencoderKLFlux2,
+    FlowMatchEulerDiscreteScheduler,
+    Flux2KleinKVPipeline,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+)
 
 from rewrites.flux2 import seeded_model
 
@@ -11,8 +17,11 @@ TEXT_LAYERS = (1, 2, 3)
 HIDDEN = 32
 CORPUS = ["a red fox in fresh snow", "a lighthouse on a cliff at dusk", "an oil painting of a quiet harbour",
           "user assistant system", "photo of a cat sitting on a chair"] * 4
+# message content as a string (Klein) or as a list of typed parts (FLUX.2-dev's Mistral format)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -72,10 +81,35 @@ def klein_pipeline(seed: int = 0, kv: bool = False):
     )
 
 
+def mistral3_text_encoder(vocab_size: int, seed: int = 0):
+    """A tiny Mistral3 (FLUX.2-dev's text encoder class): 3 text layers, a one-layer Pixtral vision tower."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    torch.manual_seed(seed)
+    text = MistralConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64,
+                         num_hidden_layers=len(TEXT_LAYERS), num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=256)
+    vision = PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 image_size=32, patch_size=8)
+    return Mistral3ForConditionalGeneration(Mistral3Config(text_config=text, vision_config=vision)).eval()
+
+
+def dev_pipeline(seed: int = 0) -> Flux2Pipeline:
+    """A Flux2Pipeline (FLUX.2-dev: guidance-embedded transformer, Mistral3 encoder) of tiny seeded components."""
+    tok = tokenizer()
+    return Flux2Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
+        vae=vae(seed),
+        text_encoder=mistral3_text_encoder(len(tok), seed),
+        tokenizer=tok,
+        transformer=seeded_model(dict(TRANSFORMER, guidance_embeds=True), seed),
+    )
+
+
 def generate(pipe, prompt: str = "a red fox in fresh snow", seed: int = 0, **kwargs) -> torch.Tensor:
     return pipe(
         prompt=prompt, height=32, width=32, num_inference_steps=2, generator=torch.Generator().manual_seed(seed),
-        max_sequence_length=16, text_encoder_out_layers=TEXT_LAYERS, output_type="pt", **kwargs,
+        max_sequence_length=kwargs.pop("max_sequence_length", 16), text_encoder_out_layers=TEXT_LAYERS, output_type="pt", **kwargs,
     ).images
 
 

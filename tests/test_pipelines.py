@@ -1,4 +1,4 @@
-"""Inside the real diffusers stack: Klein pipelines end to end, TP across gloo ranks, the Qwen3 text encoder, compile,
+"""Inside the real diffusers stack: Klein, Klein KV and FLUX.2-dev pipelines end to end, TP across gloo ranks, the Qwen3 text encoder, compile,
 attention backends."""
 
 import copy
@@ -54,6 +54,19 @@ class KleinPipeline(unittest.TestCase):
                 error = rel_err(result[key], stock_image())
                 print(f"\nrank {rank} {key}: rel err {error:.2e}, PSNR {P.psnr(result[key], stock_image()):.1f} dB")
                 self.assertLessEqual(error, FP32_TOL, f"rank {rank} {key}")
+
+
+class DevPipeline(unittest.TestCase):
+    def test_unfused_transformer_gives_the_stock_image(self):
+        images = []
+        for unfuse in (False, True):
+            pipe = P.dev_pipeline(0)
+            if unfuse:
+                surgery.unfuse(pipe.transformer)
+            images.append(P.generate(pipe, max_sequence_length=64))  # the system message takes most of it
+        print(f"\nFLUX.2-dev pipeline, unfused vs stock: rel err {rel_err(images[1], images[0]):.2e}, "
+              f"PSNR {P.psnr(images[1], images[0]):.1f} dB")
+        self.assertLessEqual(rel_err(images[1], images[0]), FP32_TOL)
 
 
 class TextEncoder(unittest.TestCase):
