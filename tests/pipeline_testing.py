@@ -43,12 +43,12 @@ def tokenizer():
     return wrapped
 
 
-def text_encoder(vocab_size: int, seed: int = 0, heads: int = 4, kv_heads: int = 2):
+def text_encoder(vocab_size: int, seed: int = 0, heads: int = 4, kv_heads: int = 2, layers: int = len(TEXT_LAYERS)):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=64,
-                         num_hidden_layers=len(TEXT_LAYERS), num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
     return Qwen3ForCausalLM(config).eval()
 
@@ -68,14 +68,17 @@ TRANSFORMER = dict(in_channels=16, num_layers=1, num_single_layers=2, num_attent
                    axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
 
 
-def klein_pipeline(seed: int = 0, kv: bool = False):
-    """A Flux2KleinPipeline (or the Klein KV pipeline) of tiny seeded components; no downloads."""
+def klein_pipeline(seed: int = 0, kv: bool = False, text_layers: int = len(TEXT_LAYERS)):
+    """A Flux2KleinPipeline (or the Klein KV pipeline) of tiny seeded components; no downloads.
+
+    `text_layers=27` gives an encoder deep enough for the pipeline's default `text_encoder_out_layers` (9, 18, 27).
+    """
     tok = tokenizer()
     cls = Flux2KleinKVPipeline if kv else Flux2KleinPipeline
     return cls(
         scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift_terminal=None),
         vae=vae(seed),
-        text_encoder=text_encoder(len(tok), seed),
+        text_encoder=text_encoder(len(tok), seed, layers=text_layers),
         tokenizer=tok,
         transformer=seeded_model(TRANSFORMER, seed),
     )
