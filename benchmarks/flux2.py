@@ -131,7 +131,6 @@ def unfuse_cost(args) -> list[dict]:
 def tp_rank(rank: int, world: int, config: dict, tokens: tuple[int, int], repeats: int, warmup: int) -> dict:
     """One gloo rank: single-device fused, surgery's TP and diffusers' packed TP on the same model and inputs."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
     from surgery.baselines import diffusers_packed_tp
 
@@ -149,8 +148,7 @@ def tp_rank(rank: int, world: int, config: dict, tokens: tuple[int, int], repeat
                 out = models[name](**kw).sample
             result[name] = {
                 "collectives": counter.total, "bytes": counter.bytes, "error": rel_err(out, expected),
-                "param bytes": sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
-                                   for p in models[name].parameters()),
+                "param bytes": inspect.local_bytes(models[name]),
             }
     return result
 

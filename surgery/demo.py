@@ -37,6 +37,8 @@ def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tok
     import surgery
     from rewrites.flux2 import example_inputs, seeded_model
 
+    from .inspect import local_bytes
+
     dtype = getattr(torch, dtype_name)
     fused = seeded_model(config, seed, dtype)
     inputs = example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1], seed=seed, dtype=dtype)
@@ -50,13 +52,13 @@ def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tok
     with torch.no_grad(), surgery.CollectiveCounter() as counter:
         model(**inputs, return_dict=False)  # one forward, counted
     out, tp_seconds = _timed_forward(model, inputs)
-    sharded = [(p.to_local().nbytes, p.nbytes) for p in model.parameters() if isinstance(p, DTensor)]
+    sharded = [p.nbytes for p in model.parameters() if isinstance(p, DTensor)]
     return {
         "error": rel_err(out, expected),
         "collectives": dict(counter.counts),
         "collective_bytes": counter.bytes,
-        "local_bytes": sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters()),
-        "sharded_global_bytes": sum(whole for _, whole in sharded),
+        "local_bytes": local_bytes(model),
+        "sharded_global_bytes": sum(sharded),
         "fused_seconds": fused_seconds,
         "tp_seconds": tp_seconds,
         "shard_seconds": shard_seconds,

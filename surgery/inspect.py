@@ -38,6 +38,16 @@ def rewrite_table(model: nn.Module) -> list[dict]:
     return rows
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(model: nn.Module) -> int:
+    """Parameter bytes this rank holds."""
+    return sum(local(p).nbytes for p in model.parameters())
+
+
 def _placement(param: torch.Tensor) -> str:
     if not isinstance(param, DTensor):
         return "whole"
@@ -59,14 +69,14 @@ def tp_layout(model: nn.Module) -> list[dict]:
     """One row per parameter of this rank: placement, global and local shape, bytes held here."""
     rows = []
     for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
+        part = local(param)
         rows.append({
             "parameter": name,
             "placement": _placement(param),
             "sharded": isinstance(param, DTensor) and any(p.is_shard() for p in param.placements),
             "global shape": tuple(param.shape),
-            "local shape": tuple(local.shape),
-            "bytes": local.numel() * local.element_size(),
+            "local shape": tuple(part.shape),
+            "bytes": part.numel() * part.element_size(),
         })
     return rows
 

@@ -11,11 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
+from surgery.inspect import local as _local, local_bytes
 from flux2_testing import build, inputs, rel_err, small_config
-
-
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def compare(rank: int, world: int, checkpoint: str, name: str, seed: int, dtype_name: str) -> dict:
@@ -113,7 +110,7 @@ def peak_memory(rank: int, world: int, checkpoint: str, warmup: str) -> dict:
         seconds = time.perf_counter() - started
         _touch(model)
     result = {"peak": memory.peak, "mapped_peak": mapped.peak, "seconds": seconds,
-              "local_bytes": sum(_local(p).nbytes for p in model.parameters())}
+              "local_bytes": local_bytes(model)}
     del model
     if rank == 0:
         with PeakMemory() as memory:

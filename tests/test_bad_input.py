@@ -1,7 +1,6 @@
 """Bad input gets a clear error naming the module and leaves the model exactly as it was."""
 
 import os
-import socket
 import unittest
 import warnings
 from unittest import mock
@@ -12,15 +11,10 @@ import torch.nn as nn
 
 import surgery
 import surgery.rewrite
+from surgery.distributed import free_port
 from flux2_testing import assert_unchanged, build, small_config, snapshot
 
 SINGLE = "single_transformer_blocks.1.attn"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Refusals(unittest.TestCase):

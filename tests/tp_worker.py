@@ -9,6 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 from surgery.baselines import diffusers_packed_tp
+from surgery.inspect import local_bytes
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 from test_unfuse_equivalence import use_kv_processors
 
@@ -28,10 +29,6 @@ def _case_inputs(config, seed, batch, guidance):
     if not guidance:
         kw["guidance"] = None
     return kw
-
-
-def local_bytes(model) -> int:
-    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
 def sharded(model, mesh, src_data_rank=0):
