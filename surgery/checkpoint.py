@@ -20,7 +20,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from .checks import SurgeryError
-from .slicing import Slice, group_by_fused
+from .slicing import Slice, fused_shape, group_by_fused
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -188,20 +188,18 @@ def _converted(reader: Reader, slices: list[Slice], to: str) -> Iterator[tuple[s
         if to == "unfused" and name in by_fused:
             info = reader.info(name)
             for s in by_fused[name]:
-                shape = list(info.shape)
-                shape[s.dim] = s.size
-                index = _index(len(shape), s.dim, s.start, s.stop)
-                yield s.unfused, TensorInfo(info.dtype, tuple(shape)), (lambda n=name, i=index: reader.read(n, i))
+                index = _index(len(info.shape), s.dim, s.start, s.stop)
+                yield s.unfused, TensorInfo(info.dtype, s.unfused_shape(info.shape)), (
+                    lambda n=name, i=index: reader.read(n, i)
+                )
         elif to == "fused" and name in by_unfused:
             group = by_fused[by_unfused[name].fused]
             if group[0].fused in emitted:
                 continue
             emitted.add(group[0].fused)
             first = reader.info(group[0].unfused)
-            shape = list(first.shape)
-            shape[group[0].dim] = group[-1].stop
             parts = [s.unfused for s in group]
-            yield group[0].fused, TensorInfo(first.dtype, tuple(shape)), (
+            yield group[0].fused, TensorInfo(first.dtype, fused_shape(first.shape, group)), (
                 lambda parts=parts, dim=group[0].dim: torch.cat([reader.read(p) for p in parts], dim=dim)
             )
         else:

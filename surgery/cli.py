@@ -133,7 +133,7 @@ def _plan_or_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) 
             model = Flux2Transformer2DModel(**config)
         rows = inspect.rewrite_table(model)
         if not args.all:
-            rows = _collapse(rows, inspect.block_kind)
+            rows = inspect.collapse_blocks(rows, "module", also=("parameter",))
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
         return 0
@@ -147,16 +147,6 @@ def _plan_or_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     else:
         print(render.plan_text(name, result))
     return 0
-
-
-def _collapse(rows: list[dict], kind) -> list[dict]:
-    seen: dict[tuple, dict] = {}
-    for row in rows:
-        key = (kind(row["module"]), row["parameter"])
-        if key not in seen:
-            seen[key] = dict(row, module=key[0], count=0)
-        seen[key]["count"] += 1
-    return list(seen.values())
 
 
 if __name__ == "__main__":

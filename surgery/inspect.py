@@ -86,15 +86,20 @@ def block_kind(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path, count=1)
 
 
+def collapse_blocks(rows: list[dict], column: str, also: tuple[str, ...] = ()) -> list[dict]:
+    """Rows with the block index in `column` collapsed to `*`: one row per kind (and `also` columns), with a count."""
+    kinds: dict[tuple, dict] = {}
+    for row in rows:
+        key = (block_kind(row[column]), *(row[c] for c in also))
+        if key not in kinds:
+            kinds[key] = dict(row, **{column: key[0]}, count=0)
+        kinds[key]["count"] += 1
+    return list(kinds.values())
+
+
 def summarize_layout(rows: list[dict]) -> list[dict]:
     """Layout rows with block indices collapsed: one row per parameter kind, with its count and bytes per block."""
-    kinds: dict[str, dict] = {}
-    for row in rows:
-        kind = block_kind(row["parameter"])
-        if kind not in kinds:
-            kinds[kind] = dict(row, parameter=kind, count=0)
-        kinds[kind]["count"] += 1
-    return list(kinds.values())
+    return collapse_blocks(rows, "parameter")
 
 
 class _Recorder(CollectiveCounter):

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from .checkpoint import Reader, TensorInfo, layout_of, model_on_meta, resolve_checkpoint
 from .checks import SurgeryError
 from .rewrite import unfuse
-from .slicing import Slice, group_by_fused
+from .slicing import Slice, fused_shape, group_by_fused
 from .state_dict import key_map
 from .tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
 
@@ -52,9 +52,7 @@ def _expected_shapes(model: nn.Module, slices: list[Slice], layout: str) -> dict
         return unfused
     shapes = {name: shape for name, shape in unfused.items() if name not in {s.unfused for s in slices}}
     for fused, group in group_by_fused(slices):
-        shape = list(unfused[group[0].unfused])
-        shape[group[0].dim] = group[-1].stop
-        shapes[fused] = tuple(shape)
+        shapes[fused] = fused_shape(unfused[group[0].unfused], group)
     return shapes
 
 

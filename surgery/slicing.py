@@ -25,6 +25,10 @@ class Slice:
     def size(self) -> int:
         return self.stop - self.start
 
+    def unfused_shape(self, fused_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the unfused parameter cut from a fused one of `fused_shape`."""
+        return tuple(self.size if d == self.dim else n for d, n in enumerate(fused_shape))
+
     def prefixed(self, prefix: str) -> "Slice":
         if not prefix:
             return self
@@ -37,6 +41,12 @@ def group_by_fused(slices: list[Slice]) -> list[tuple[str, list[Slice]]]:
     for s in slices:
         groups.setdefault(s.fused, []).append(s)
     return [(name, sorted(group, key=lambda s: s.start)) for name, group in groups.items()]
+
+
+def fused_shape(part_shape: tuple[int, ...], group: list[Slice]) -> tuple[int, ...]:
+    """The shape of the fused parameter that `group` (one fused parameter's slices, in order) covers."""
+    dim = group[0].dim
+    return tuple(group[-1].stop if d == dim else n for d, n in enumerate(part_shape))
 
 
 def take(tensor: torch.Tensor, s: Slice) -> tuple[torch.Tensor, int]:
