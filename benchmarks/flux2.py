@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import surgery  # noqa: E402
+from surgery.testing import CollectiveCounter, run_on_cpu_ranks  # noqa: E402
 from diffusers import Flux2Transformer2DModel  # noqa: E402
 from rewrites.flux2 import CONFIGS, example_inputs, seeded_model  # noqa: E402
 from surgery import inspect, render  # noqa: E402
@@ -132,7 +133,7 @@ def tp_rank(rank: int, world: int, config: dict, tokens: tuple[int, int], repeat
     """One gloo rank: single-device fused, surgery's TP and diffusers' packed TP on the same model and inputs."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from surgery.baselines import diffusers_packed_tp
+    from surgery.testing import diffusers_packed_tp
 
     mesh = init_device_mesh("cpu", (world,))
     fused = seeded_model(config, 0)
@@ -144,7 +145,7 @@ def tp_rank(rank: int, world: int, config: dict, tokens: tuple[int, int], repeat
     with torch.no_grad():
         expected = fused(**kw).sample
         for name in ("surgery TP", "diffusers packed TP"):
-            with surgery.CollectiveCounter() as counter:
+            with CollectiveCounter() as counter:
                 out = models[name](**kw).sample
             result[name] = {
                 "collectives": counter.total, "bytes": counter.bytes, "error": rel_err(out, expected),
@@ -157,13 +158,13 @@ def tensor_parallel_cpu(args) -> list[dict]:
     """gloo TP at world 1/2/4 on CPU: ours vs diffusers' packed plan vs the single-device fused model."""
     from surgery.demo import demo_config
 
-    config = demo_config("klein-4b", 2, 4, 32) if not args.smoke else demo_config("klein-4b", 1, 1, 8)
+    config = demo_config("flux2-klein-4b") if not args.smoke else demo_config("flux2-klein-4b", layers=1, single_layers=1, head_dim=8)
     tokens = (args.image_tokens, args.text_tokens)
     model = f"klein-4b shape, head_dim {config['attention_head_dim']}, {config['num_layers']}+" \
             f"{config['num_single_layers']} blocks, fp32"
     rows = []
     for world in args.worlds:
-        rank0 = surgery.run_on_cpu_ranks(tp_rank, world, config, tokens, args.repeats, args.warmup)[0]
+        rank0 = run_on_cpu_ranks(tp_rank, world, config, tokens, args.repeats, args.warmup)[0]
         t = rank0["times"]
         for name in ("surgery TP", "diffusers packed TP"):
             r = rank0[name]

@@ -26,6 +26,7 @@ from diffusers.models.transformers.transformer_flux2 import (
     Flux2KVParallelSelfAttnProcessor,
     Flux2ParallelSelfAttention,
     Flux2ParallelSelfAttnProcessor,
+    Flux2Transformer2DModel,
     _flux2_kv_causal_attention,
 )
 from einops import rearrange
@@ -33,7 +34,7 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
 from surgery.checks import SurgeryError
-from surgery.registry import Rewrite
+from surgery.registry import Family, Rewrite
 from surgery.slicing import Slice
 from surgery.tensor_parallel import per_head_norm
 
@@ -468,11 +469,12 @@ TP_PLANS = {
 }
 
 
-# --- real configs and example inputs -------------------------------------------------------------------------------
+# --- the family: published configs, example inputs, test configs ----------------------------------------------------
 
-# FLUX.2 transformer configs (diffusers conversion script); the rest are Flux2Transformer2DModel defaults
-# (in_channels=128, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), timestep_guidance_channels=256).
-CONFIGS = {
+# FLUX.2 transformer configs (diffusers' scripts/convert_flux2_to_diffusers.py and the published config.json files);
+# the rest are Flux2Transformer2DModel defaults (in_channels=128, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32),
+# timestep_guidance_channels=256).
+VARIANTS = {
     "klein-4b": dict(
         num_layers=5, num_single_layers=20, num_attention_heads=24, attention_head_dim=128,
         joint_attention_dim=7680, guidance_embeds=False,
@@ -486,6 +488,7 @@ CONFIGS = {
         joint_attention_dim=15360, guidance_embeds=True,
     ),
 }
+CONFIGS = VARIANTS  # the name older scripts and notebooks import
 
 
 def example_inputs(
@@ -516,19 +519,62 @@ def example_inputs(
     }
 
 
-def seeded_model(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """`Flux2Transformer2DModel(**config)`, every weight (norm scales too) drawn from `seed`, in eval mode."""
-    from diffusers import Flux2Transformer2DModel
+def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count, MLP ratio and text width; fewer blocks, smaller heads."""
+    if head_dim % 8:
+        raise SurgeryError(f"head_dim {head_dim} is not a multiple of 8 (4 rotary axes of even size)")
+    config = dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim)
+    config["axes_dims_rope"] = (head_dim // 4,) * 4
+    return config
 
-    from surgery.inspect import default_dtype
 
-    torch.manual_seed(seed)
-    with default_dtype(dtype):
-        model = Flux2Transformer2DModel(**config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
-            else:
-                param.normal_(1.0, 0.1)
-    return model.eval()
+def _small(**config) -> dict:
+    rope = {8: (2, 2, 2, 2), 12: (2, 2, 4, 4), 16: (4, 4, 4, 4)}[config["attention_head_dim"]]
+    return dict(config, in_channels=16, timestep_guidance_channels=32, axes_dims_rope=rope)
+
+
+# Small-width configs shaped like the real ones (depth and head-count ratios), plus awkward shapes. The first one is
+# what the conformance suite shards (world 2 and 4), so its heads and hidden sizes divide by 4.
+TEST_CONFIGS = {
+    # 8 heads and int(64 * 2.5) = 160 hidden units split evenly over 2 and 4 ranks
+    "tp_wide": _small(num_layers=2, num_single_layers=2, num_attention_heads=8, attention_head_dim=8,
+                      joint_attention_dim=24, mlp_ratio=2.5, guidance_embeds=True),
+    # klein-4B: 5 double / 20 single, 24 heads -> 1 / 4, 3 heads
+    "klein4b_small": _small(num_layers=1, num_single_layers=4, num_attention_heads=3, attention_head_dim=16,
+                            joint_attention_dim=32, guidance_embeds=False),
+    # klein-9B: 8 / 24, 32 heads -> 1 / 3, 4 heads
+    "klein9b_small": _small(num_layers=1, num_single_layers=3, num_attention_heads=4, attention_head_dim=16,
+                            joint_attention_dim=48, guidance_embeds=False),
+    # dev: 8 / 48, 48 heads, guidance -> 1 / 6, 6 heads
+    "dev_small": _small(num_layers=1, num_single_layers=6, num_attention_heads=6, attention_head_dim=8,
+                        joint_attention_dim=40, guidance_embeds=True),
+    "odd_heads": _small(num_layers=2, num_single_layers=2, num_attention_heads=5, attention_head_dim=12,
+                        joint_attention_dim=24, mlp_ratio=2.5, guidance_embeds=True),
+    # int(56 * 3.3) = 184: fractional mlp_ratio
+    "fractional_mlp": _small(num_layers=1, num_single_layers=2, num_attention_heads=7, attention_head_dim=8,
+                             joint_attention_dim=16, mlp_ratio=3.3, guidance_embeds=False),
+}
+
+FAMILY = Family(
+    name="flux2",
+    model_class=Flux2Transformer2DModel,
+    variants=VARIANTS,
+    sources="diffusers scripts/convert_flux2_to_diffusers.py; black-forest-labs/FLUX.2-dev, FLUX.2-klein-4B/9B "
+    "transformer/config.json",
+    default_variant="klein-4b",
+    example_inputs=example_inputs,
+    rewrites=REWRITES,
+    tp_plans=TP_PLANS,
+    # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved once)
+    all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    test_configs=TEST_CONFIGS,
+    reduced=reduced,
+    aliases={"klein-4b": "klein-4b", "klein-9b": "klein-9b", "dev": "dev"},
+)
+
+
+def seeded_model(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Flux2Transformer2DModel:
+    """`Flux2Transformer2DModel(**config)` with every weight drawn from `seed` (see `surgery.testing.seeded_model`)."""
+    from surgery.testing import seeded_model as seeded
+
+    return seeded(FAMILY, config, seed, dtype)

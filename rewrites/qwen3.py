@@ -7,6 +7,7 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.checks import SurgeryError, mesh_sizes_dividing
+from surgery.registry import Family
 from surgery.tensor_parallel import per_head_norm
 
 _MODELING = "transformers.models.qwen3.modeling_qwen3"
@@ -39,6 +40,9 @@ def _check_heads(module: nn.Module, path: str, world: int) -> None:
             )
 
 
-REWRITES = ()
-TP_PLANS = {f"{_MODELING}.Qwen3Attention": ATTENTION_TP_PLAN, f"{_MODELING}.Qwen3MLP": MLP_TP_PLAN}
-TP_CHECKS = {f"{_MODELING}.Qwen3Attention": _check_heads}
+FAMILY = Family(
+    name="qwen3",
+    model_class=f"{_MODELING}.Qwen3Model",
+    tp_plans={f"{_MODELING}.Qwen3Attention": ATTENTION_TP_PLAN, f"{_MODELING}.Qwen3MLP": MLP_TP_PLAN},
+    tp_checks={f"{_MODELING}.Qwen3Attention": _check_heads},
+)

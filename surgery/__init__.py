@@ -4,44 +4,43 @@
     surgery.unfuse(model)                 # in place; returns model
     surgery.tensor_parallel(model, mesh)  # stock parallelize_module; returns model
     surgery.fuse(model)                   # the exact inverse of unfuse
+
+Test helpers (rel_err, CollectiveCounter, run_on_cpu_ranks, seeded models, diffusers' packed baseline) live in
+`surgery.testing`; inspection in `surgery.inspect`.
 """
 
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
 from .loading import load_tensor_parallel
 from .lora import fuse_lora_state_dict, unfuse_lora_state_dict
-from .distributed import CollectiveCounter, run_on_cpu_ranks
-from .registry import Rewrite, register, register_tp_plan, registered, tp_plans
-from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
+from .registry import Family, Rewrite, families, register, register_family, register_tp_plan, registered, tp_plans
+from .rewrite import fuse, last_report, unfuse
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
-from .tensor_parallel import diffusers_tp_plan, planned_modules, tensor_parallel
-from .verify import rel_err
+from .tensor_parallel import tensor_parallel
 
 __all__ = [
-    "CollectiveCounter",
-    "Rewrite",
-    "RewriteRecord",
-    "Slice",
-    "convert_checkpoint",
-    "load_tensor_parallel",
-    "SurgeryError",
-    "find_modules",
+    # user verbs
+    "unfuse",
     "fuse",
-    "fuse_lora_state_dict",
-    "fuse_state_dict",
-    "key_map",
+    "tensor_parallel",
+    "load_tensor_parallel",
+    "convert_checkpoint",
     "last_report",
-    "diffusers_tp_plan",
-    "planned_modules",
+    "key_map",
+    "unfuse_state_dict",
+    "fuse_state_dict",
+    "unfuse_lora_state_dict",
+    "fuse_lora_state_dict",
+    "SurgeryError",
+    # extension API
+    "Family",
+    "Rewrite",
+    "Slice",
+    "families",
     "register",
+    "register_family",
     "register_tp_plan",
     "registered",
-    "rel_err",
-    "run_on_cpu_ranks",
-    "tensor_parallel",
     "tp_plans",
-    "unfuse",
-    "unfuse_lora_state_dict",
-    "unfuse_state_dict",
 ]

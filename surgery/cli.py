@@ -15,23 +15,27 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rewrites.flux2 import CONFIGS
+    from .registry import model_names
 
-    parser = argparse.ArgumentParser(prog="surgery", description="Unfuse FLUX.2 and shard it with stock torch TP.")
+    names = model_names()
+    parser = argparse.ArgumentParser(
+        prog="surgery", description="Unfuse diffusion transformers' fused projections and shard them with stock torch TP."
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
         "demo",
-        help="unfuse a seeded FLUX.2-klein-shaped model and shard it over CPU processes (no downloads)",
-        description="Builds a FLUX.2-shaped model at reduced depth and head size with seeded weights, unfuses it, "
+        help="unfuse a seeded model (default FLUX.2-klein-4B-shaped) and shard it over CPU processes (no downloads)",
+        description="Builds a published model's shape at reduced depth and head size with seeded weights, unfuses it, "
         "checks it against the fused model, then runs tensor parallelism on N CPU processes (gloo) and prints "
         "errors, collectives, per-rank memory and timings.",
     )
-    demo.add_argument("--model", choices=sorted(CONFIGS), default="klein-4b", help="config to take the shape of")
+    demo.add_argument("--model", choices=names, default="flux2-klein-4b", metavar="MODEL",
+                      help=f"model to take the shape of (default flux2-klein-4b; one of {', '.join(names)})")
     demo.add_argument("--tp", type=_positive, default=2, help="CPU processes to shard over (default 2)")
-    demo.add_argument("--layers", type=_positive, default=2, help="double-stream blocks (default 2)")
-    demo.add_argument("--single-layers", type=_positive, default=4, help="single-stream blocks (default 4)")
-    demo.add_argument("--head-dim", type=_positive, default=32, help="head size, a multiple of 8 (default 32)")
+    demo.add_argument("--layers", type=_positive, help="double-stream blocks (family default: 2)")
+    demo.add_argument("--single-layers", type=_positive, help="single-stream blocks (family default: 4)")
+    demo.add_argument("--head-dim", type=_positive, help="head size (family default: 32)")
     demo.add_argument("--image-tokens", type=_positive, default=64)
     demo.add_argument("--text-tokens", type=_positive, default=32)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -39,12 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="the per-rank layout, memory and collectives of a FLUX.2 config at a TP size, on one CPU",
+        help="the per-rank layout, memory and collectives of a model at a TP size, on one CPU",
         description="Builds the model on the meta device, unfuses it and shards it under torch's fake process group "
         "(nothing is allocated, no accelerator needed), then prints each parameter's placement and per-rank shape, "
         "the bytes per rank, and the collectives of one forward.",
     )
-    _model_arguments(plan, CONFIGS)
+    _model_arguments(plan, names)
     plan.add_argument("--tp", type=_positive, required=True, help="tensor-parallel size")
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     plan.add_argument("--image-tokens", type=_positive, default=4096, help="default 4096 (a 1024x1024 image)")
@@ -53,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = commands.add_parser(
         "inspect",
-        help="the rewrite table of a FLUX.2 config: which fused rows/columns each unfused Linear takes",
+        help="the rewrite table of a model: which fused rows/columns each unfused Linear takes",
         description="Builds the model on the meta device and lists what surgery.unfuse rewrites: module, class before "
         "-> after, and the rows (views) or columns (copies) of the fused weight each new parameter takes.",
     )
-    _model_arguments(inspect, CONFIGS)
+    _model_arguments(inspect, names)
     inspect.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
 
     convert = commands.add_parser(
@@ -72,76 +76,97 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser, configs: dict) -> None:
+def _model_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--model", choices=sorted(configs), default="klein-9b")
-    group.add_argument("--config", help="a diffusers transformer config.json instead")
+    group.add_argument("--model", choices=names, default="flux2-klein-9b", metavar="MODEL",
+                       help=f"default flux2-klein-9b; one of {', '.join(names)}")
+    group.add_argument("--config", help="a diffusers transformer config.json instead (its _class_name picks the family)")
 
 
-def _config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, dict]:
-    from rewrites.flux2 import CONFIGS
+def _config(args: argparse.Namespace):
+    """`(name, family, config)` from `--model` or `--config`; a bad config raises SurgeryError (one line)."""
+    from .checks import SurgeryError
+    from .inspect import check_config
+    from .registry import families, resolve_model
 
     if args.config is None:
-        return f"FLUX.2-{args.model}", dict(CONFIGS[args.model])
+        family, variant = resolve_model(args.model)
+        return f"{family.name}-{variant}", family, family.config(variant)
     try:
         with open(args.config) as f:
-            config = {k: v for k, v in json.load(f).items() if not k.startswith("_")}
+            raw = json.load(f)
     except (OSError, ValueError) as error:
-        parser.error(f"--config {args.config}: {error}")
-    return args.config, config
+        raise SurgeryError(f"--config {args.config}: {error}") from None
+    if not isinstance(raw, dict):
+        raise SurgeryError(f"--config {args.config}: expected a JSON object, got {type(raw).__name__}")
+    class_name = raw.get("_class_name")
+    family = next((f for f in families().values() if f.variants and _class_name(f) == class_name), None)
+    if family is None:
+        known = sorted(_class_name(f) for f in families().values() if f.variants)
+        raise SurgeryError(f"--config {args.config}: _class_name {class_name!r} is no registered family's model "
+                           f"class ({', '.join(known)})")
+    config = {k: v for k, v in raw.items() if not k.startswith("_")}
+    check_config(family, config)
+    return args.config, family, config
+
+
+def _class_name(family) -> str:
+    cls = family.model_class
+    return cls.rpartition(".")[2] if isinstance(cls, str) else cls.__name__
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .checks import SurgeryError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("plan", "inspect"):
-        return _plan_or_inspect(parser, args)
-    if args.command == "demo":
-        from rewrites.flux2 import CONFIGS
+    try:
+        if args.command in ("plan", "inspect"):
+            return _plan_or_inspect(args)
+        if args.command == "demo":
+            return _demo(parser, args)
+        if args.command == "convert":
+            from .checkpoint import convert_checkpoint
 
-        heads = CONFIGS[args.model]["num_attention_heads"]
-        if heads % args.tp:
-            parser.error(f"--tp {args.tp} does not divide the {heads} heads of {args.model}")
-        if args.head_dim % 8:
-            parser.error(f"--head-dim {args.head_dim} is not a multiple of 8 (4 rotary axes of even size)")
-        from .demo import run
-
-        return run(args.model, args.tp, args.layers, args.single_layers, args.head_dim, args.seed, args.dtype,
-                   args.image_tokens, args.text_tokens)
-    if args.command == "convert":
-        from .checks import SurgeryError
-        from .checkpoint import convert_checkpoint
-
-        try:
             print(f"wrote {convert_checkpoint(args.src, args.dst, to=args.to)}")
-        except SurgeryError as error:
-            parser.exit(1, f"surgery convert: {error}\n")
-        return 0
+            return 0
+    except SurgeryError as error:
+        parser.exit(1, f"surgery {args.command}: {error}\n")
     return 2
 
 
-def _plan_or_inspect(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .checks import SurgeryError
+    from .demo import demo_config, run
+
+    overrides = {k: v for k, v in (("layers", args.layers), ("single_layers", args.single_layers),
+                                   ("head_dim", args.head_dim)) if v is not None}
+    try:
+        config = demo_config(args.model, **overrides)
+    except (SurgeryError, TypeError) as error:
+        parser.error(f"--model {args.model}: {error}")
+    heads = config.get("num_attention_heads")
+    if isinstance(heads, int) and heads % args.tp:
+        parser.error(f"--tp {args.tp} does not divide the {heads} heads of {args.model}")
+    return run(args.model, args.tp, args.seed, args.dtype, args.image_tokens, args.text_tokens, **overrides)
+
+
+def _plan_or_inspect(args: argparse.Namespace) -> int:
     import torch
-    from diffusers import Flux2Transformer2DModel
 
     from . import inspect, render
-    from .checks import SurgeryError
 
-    name, config = _config(parser, args)
+    name, family, config = _config(args)
     if args.command == "inspect":
-        with torch.device("meta"):
-            model = Flux2Transformer2DModel(**config)
+        model = inspect.model_on_meta(family, config)
         rows = inspect.rewrite_table(model)
         if not args.all:
             rows = inspect.collapse_blocks(rows, "module", also=("parameter",))
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
         return 0
-    try:
-        result = inspect.plan(config, args.tp, dtype=getattr(torch, args.dtype), image_tokens=args.image_tokens,
-                              text_tokens=args.text_tokens)
-    except SurgeryError as error:
-        parser.exit(1, f"surgery plan: {error}\n")
+    result = inspect.plan(config, args.tp, family=family, dtype=getattr(torch, args.dtype),
+                          image_tokens=args.image_tokens, text_tokens=args.text_tokens)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
     else:

@@ -1,4 +1,4 @@
-"""`surgery demo`: unfuse a seeded FLUX.2-klein-shaped model and shard it over CPU ranks, with no downloads."""
+"""`surgery demo`: unfuse a seeded model of any registered family and shard it over CPU ranks, with no downloads."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import time
 
 import torch
 
+from .registry import Family, families, resolve_model
 from .render import mb
-from .verify import rel_err
+from .testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
 
 
-def demo_config(model: str = "klein-4b", layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
-    """A real FLUX.2 config at reduced depth and head size (same head count, MLP ratio, text width)."""
-    from rewrites.flux2 import CONFIGS
-
-    config = dict(CONFIGS[model], num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim)
-    config["axes_dims_rope"] = (head_dim // 4,) * 4
-    return config
+def demo_config(model: str = "flux2-klein-4b", **overrides) -> dict:
+    """A published config at demo size (the family's `reduced`: same head count, fewer blocks, smaller heads)."""
+    family, variant = resolve_model(model)
+    config = family.config(variant)
+    return family.reduced(config, **overrides) if family.reduced else config
 
 
 def _timed_forward(model, inputs: dict, repeats: int = 3) -> tuple[torch.Tensor, float]:
@@ -29,19 +28,20 @@ def _timed_forward(model, inputs: dict, repeats: int = 3) -> tuple[torch.Tensor,
     return out, (time.perf_counter() - started) / repeats
 
 
-def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tokens: tuple[int, int]) -> dict:
+def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dtype_name: str,
+            tokens: tuple[int, int]) -> dict:
     """One CPU rank of the demo: fused reference, unfuse, tensor_parallel, compare, count."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     import surgery
-    from rewrites.flux2 import example_inputs, seeded_model
 
     from .inspect import local_bytes
 
+    family = families()[family_name]
     dtype = getattr(torch, dtype_name)
-    fused = seeded_model(config, seed, dtype)
-    inputs = example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1], seed=seed, dtype=dtype)
+    fused = seeded_model(family, config, seed, dtype)
+    inputs = family.example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1], seed=seed, dtype=dtype)
     expected, fused_seconds = _timed_forward(fused, inputs)
 
     model = surgery.unfuse(copy.deepcopy(fused))
@@ -49,7 +49,7 @@ def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tok
     started = time.perf_counter()
     surgery.tensor_parallel(model, init_device_mesh("cpu", (world,)), src_data_rank=None)
     shard_seconds = time.perf_counter() - started
-    with torch.no_grad(), surgery.CollectiveCounter() as counter:
+    with torch.no_grad(), CollectiveCounter() as counter:
         model(**inputs, return_dict=False)  # one forward, counted
     out, tp_seconds = _timed_forward(model, inputs)
     sharded = [p.nbytes for p in model.parameters() if isinstance(p, DTensor)]
@@ -65,18 +65,21 @@ def tp_rank(rank: int, world: int, config: dict, seed: int, dtype_name: str, tok
     }
 
 
-def run(model: str, tp: int, layers: int, single_layers: int, head_dim: int, seed: int, dtype: str,
-        image_tokens: int, text_tokens: int) -> int:
-    import surgery
-    from rewrites.flux2 import example_inputs, seeded_model
+def _describe(family: Family, config: dict) -> str:
+    keys = [k for k in config if k.startswith("num_") or k.endswith(("head_dim", "_heads"))]
+    return ", ".join(f"{k}={config[k]}" for k in keys)
 
-    config = demo_config(model, layers, single_layers, head_dim)
+
+def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_tokens: int, **overrides) -> int:
+    import surgery
+
+    family, variant = resolve_model(model)
+    config = demo_config(model, **overrides)
     torch_dtype = getattr(torch, dtype)
-    fused = seeded_model(config, seed, torch_dtype)
+    fused = seeded_model(family, config, seed, torch_dtype)
     params = sum(p.numel() for p in fused.parameters())
-    heads = config["num_attention_heads"]
-    print(f"surgery demo: FLUX.2-{model} shape, {heads} heads x {head_dim} head_dim, {layers} double + "
-          f"{single_layers} single blocks, {params / 1e6:.1f}M parameters, {dtype}, seed {seed}")
+    print(f"surgery demo: {family.name}-{variant} shape at demo size ({_describe(family, config)}), "
+          f"{params / 1e6:.1f}M parameters, {dtype}, seed {seed}")
 
     unfused = copy.deepcopy(fused)
     started = time.perf_counter()
@@ -85,31 +88,30 @@ def run(model: str, tp: int, layers: int, single_layers: int, head_dim: int, see
     records = surgery.last_report(unfused)
     copied = sum(r.bytes_copied for r in records)
     print(f"\nunfuse: {len(records)} modules rewritten in {seconds * 1e3:.1f} ms; {mb(copied)} copied "
-          "(column splits of to_out); every row slice is a view of the fused weight")
+          "(column splits); every row slice is a view of the fused weight")
     for record in records:
         print(f"  {record.path:<36} {record.before} -> {record.after}")
 
-    inputs = example_inputs(config, image_tokens=image_tokens, text_tokens=text_tokens, seed=seed, dtype=torch_dtype)
+    inputs = family.example_inputs(config, image_tokens=image_tokens, text_tokens=text_tokens, seed=seed,
+                                   dtype=torch_dtype)
     expected, fused_seconds = _timed_forward(fused, inputs)
     out, unfused_seconds = _timed_forward(unfused, inputs)
     print(f"\nsingle device: max relative error unfused vs fused {rel_err(out, expected):.2e}; "
           f"forward {fused_seconds * 1e3:.0f} ms fused, {unfused_seconds * 1e3:.0f} ms unfused")
+    whole = sum(p.numel() for p in unfused.parameters()) * (torch.finfo(torch_dtype).bits // 8)
     del fused, unfused
 
     print(f"\ntensor_parallel over {tp} CPU ranks (gloo), src_data_rank=None:")
-    results = surgery.run_on_cpu_ranks(tp_rank, tp, config, seed, dtype, (image_tokens, text_tokens))
-    expected_collectives = 4 * layers + single_layers
+    results = run_on_cpu_ranks(tp_rank, tp, family.name, config, seed, dtype, (image_tokens, text_tokens))
     for rank, r in enumerate(results):
         counts = ", ".join(f"{n} {op}" for op, n in r["collectives"].items()) or "none"
         print(f"  rank {rank}: max relative error vs fused single device {r['error']:.2e}; collectives per forward: "
               f"{counts} ({mb(r['collective_bytes'])}); parameters {mb(r['local_bytes'])}; "
               f"forward {r['tp_seconds'] * 1e3:.0f} ms (fused single device {r['fused_seconds'] * 1e3:.0f} ms)")
-    whole = sum(p.numel() for p in surgery.unfuse(seeded_model(config, seed, torch_dtype)).parameters())
-    whole *= torch.finfo(torch_dtype).bits // 8
     sharded = results[0]["sharded_global_bytes"]
-    print(f"  expected: {expected_collectives} all-reduces (4 per double block + 1 per single block, as diffusers' "
-          f"packed plan); {mb(whole - sharded)} replicated + {mb(sharded)} sharded / {tp} = "
-          f"{mb(whole - sharded + sharded // tp)} per rank")
+    expected_collectives = f"{family.all_reduces(config)} all-reduces" if family.all_reduces else "(not declared)"
+    print(f"  expected: {expected_collectives} per forward; {mb(whole - sharded)} replicated + {mb(sharded)} "
+          f"sharded / {tp} = {mb(whole - sharded + sharded // tp)} per rank")
     worst = max(r["error"] for r in results)
     tolerance = 1e-5 if torch_dtype == torch.float32 else 3e-2
     print(f"\n{'OK' if worst <= tolerance else 'MISMATCH'}: worst error {worst:.2e} (tolerance {tolerance:g})")

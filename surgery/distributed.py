@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
+import tempfile
 from collections import Counter
 from typing import Any, Callable
 
@@ -39,18 +39,12 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queue, threads: int) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file store: the ranks meet through a file the parent created, so there is no port to pick (and race for).
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     try:
         # plain pickle: tensors travel as bytes, not as shared memory that would vanish with this process
         queue.put((rank, pickle.dumps(fn(rank, world_size, *args))))
@@ -66,20 +60,21 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
-    processes = mp.start_processes(
-        _entry,
-        args=(fn, world_size, free_port(), args, queue, threads),
-        nprocs=world_size,
-        start_method="spawn",
-        join=False,
-    )
-    results: dict[int, Any] = {}
-    finished = False
-    while not finished:
-        finished = processes.join(timeout=0.05)  # re-raises a rank's exception with its traceback
-        while not queue.empty():  # drain as we go, so a large result never blocks its sender
-            rank, result = queue.get()
-            results[rank] = pickle.loads(result)
+    with tempfile.TemporaryDirectory(prefix="surgery-ranks-") as tmp:
+        processes = mp.start_processes(
+            _entry,
+            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
+        )
+        results: dict[int, Any] = {}
+        finished = False
+        while not finished:
+            finished = processes.join(timeout=0.05)  # re-raises a rank's exception with its traceback
+            while not queue.empty():  # drain as we go, so a large result never blocks its sender
+                rank, result = queue.get()
+                results[rank] = pickle.loads(result)
     missing = sorted(set(range(world_size)) - results.keys())
     if missing:
         raise RuntimeError(f"ranks {missing} exited without a result")

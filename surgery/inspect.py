@@ -13,8 +13,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from .checks import SurgeryError
 from .distributed import CollectiveCounter
-from .rewrite import find_modules
+from .registry import Family, model_class, resolve_model
+from .walk import find_modules
 
 
 def rewrite_table(model: nn.Module) -> list[dict]:
@@ -270,8 +272,6 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .checks import SurgeryError
-
     if dist.is_initialized():
         raise SurgeryError("planning uses torch's fake process group; run it where no process group is initialized.")
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
@@ -281,10 +281,11 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def plan(config: dict, tp: int, *, dtype: torch.dtype = torch.bfloat16, image_tokens: int = 4096,
-         text_tokens: int = 512, batch: int = 1, model_class: type | None = None) -> dict:
-    """The exact per-rank layout and memory of `config` at tensor-parallel size `tp`, on one CPU, allocating nothing.
+def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: torch.dtype = torch.bfloat16,
+         image_tokens: int = 4096, text_tokens: int = 512, batch: int = 1) -> dict:
+    """The exact per-rank layout and memory of a model at tensor-parallel size `tp`, on one CPU, allocating nothing.
 
+    `model` is a `--model` name (`"flux2-klein-9b"`, `"flux1-dev"`, ...) or a config dict of `family`'s model class.
     Builds the model on meta, unfuses and shards it under the fake process group, and runs one meta forward at
     `image_tokens` + `text_tokens` (1024x1024 is 4096 image tokens) to count the collectives and their bytes.
     """
@@ -293,23 +294,20 @@ def plan(config: dict, tp: int, *, dtype: torch.dtype = torch.bfloat16, image_to
     from .rewrite import unfuse
     from .tensor_parallel import tensor_parallel
 
-    if model_class is None:
-        from diffusers import Flux2Transformer2DModel as model_class
-    from rewrites.flux2 import example_inputs
-
+    family, config = resolve_config(model, family)
     with fake_process_group(tp):
-        with torch.device("meta"), default_dtype(dtype):
-            model = model_class(**config)
+        model = model_on_meta(family, config, dtype)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         unfuse(model)
         tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
         layout = tp_layout(model)
-        inputs = example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
-                                dtype=dtype, device="meta")
+        inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
+                                       dtype=dtype, device="meta")
         collectives = collectives_by_block(model, **inputs)
     sharded = [r for r in layout if r["sharded"]]
-    heads = config.get("num_attention_heads")
+    heads = getattr(model.config, "num_attention_heads", None) if hasattr(model, "config") else None
     return {
+        "family": family.name,
         "tp": tp,
         "dtype": str(dtype).removeprefix("torch."),
         "parameters": sum(torch.Size(r["global shape"]).numel() for r in layout),
@@ -320,5 +318,48 @@ def plan(config: dict, tp: int, *, dtype: torch.dtype = torch.bfloat16, image_to
         "layout": layout,
         "collectives": collectives,
         "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch},
-        "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if heads else None,
+        "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if isinstance(heads, int) else None,
     }
+
+
+def resolve_config(model: str | dict, family: Family | None = None) -> tuple[Family, dict]:
+    """`(family, config)` for a `--model` name, or for a config dict of `family`'s model class."""
+    if isinstance(model, str):
+        family, variant = resolve_model(model)
+        return family, family.config(variant)
+    if family is None:
+        raise SurgeryError("pass family= with a config dict (surgery.registry.families() lists them), or a model name.")
+    return family, dict(model)
+
+
+def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+    """`family`'s model built from `config` on the meta device (nothing allocated), in `dtype` if given.
+
+    A config the model class cannot be built from raises `SurgeryError` naming the family and the argument.
+    """
+    cls = model_class(family)
+    check_config(family, config)
+    try:
+        with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()):
+            return cls(**config)
+    except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as error:
+        raise SurgeryError(f"{family.name}: {cls.__name__} cannot be built from this config: {error}") from None
+
+
+def check_config(family: Family, config: dict) -> None:
+    """Unknown arguments and non-positive sizes in a config, named before the model class sees them."""
+    import inspect as pyinspect
+
+    cls = model_class(family)
+    parameters = pyinspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in config if k not in parameters)
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise SurgeryError(
+            f"{family.name}: {cls.__name__} takes no argument {unknown[0]!r}"
+            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}: is this config of another model?"
+        )
+    for key, value in config.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and (
+            key.startswith("num_") or key.endswith(("_dim", "_heads", "channels"))
+        ):
+            raise SurgeryError(f"{family.name}: config {key}={value}; it must be at least 1.")

@@ -1,8 +1,9 @@
-"""The rewrite registry: what each model family declares, and where `surgery` finds it.
+"""The registry: each model family's descriptor, its rewrites and its tensor-parallel plans.
 
-Each module of the `rewrites` package exports `REWRITES`, a tuple of `Rewrite`s, and `TP_PLANS`, the stock
-tensor-parallel plan of each module class it shards; both are loaded on first use. Other packages may add their own
-with `register` and `register_tp_plan`.
+Each module of the `rewrites` package exports `FAMILY`, a `Family`; they are loaded on first use. Other packages add
+their own with `register_family` (or, for pieces only, `register` and `register_tp_plan`). Everything that serves
+more than one family — the CLI, the demo, the planner, inspection, the benchmarks, the notebooks and the conformance
+suite — looks a family up here, by name or by the model's class; the engine itself never imports a family's module.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 import torch.nn as nn
 
+from .checks import SurgeryError
 from .slicing import Slice
 
 
@@ -53,9 +55,49 @@ class Rewrite:
         return type(module) is self.unfused
 
 
+@dataclass(frozen=True)
+class Family:
+    """Everything the tools need to know about one model family, declared in its `rewrites/<family>.py`.
+
+    `model_class` is the diffusers (or transformers) class, or its qualified name where importing it would cost a
+    library. `variants` maps a published checkpoint's short name to its config (init arguments of `model_class`);
+    `sources` says where those numbers come from. `example_inputs(config, batch=, image_tokens=, text_tokens=, seed=,
+    dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `test_configs` are small configs
+    (same structure, tiny widths) the conformance suite runs on CPU; `reduced(config)` shrinks a published config to
+    demo size (depth and head size, same head count). `all_reduces(config)` is the number of all-reduces one forward
+    should make under `surgery.tensor_parallel`.
+    """
+
+    name: str
+    model_class: type[nn.Module] | str
+    variants: dict[str, dict] = field(default_factory=dict)
+    sources: str = ""
+    default_variant: str | None = None
+    example_inputs: Callable[..., dict] | None = None
+    rewrites: tuple[Rewrite, ...] = ()
+    tp_plans: dict = field(default_factory=dict)
+    tp_checks: dict = field(default_factory=dict)
+    all_reduces: Callable[[dict], int] | None = None
+    test_configs: dict[str, dict] = field(default_factory=dict)
+    reduced: Callable[[dict], dict] | None = None
+    # other names `--model` accepts for a variant (kept so that older command lines still work)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    def config(self, variant: str | None = None) -> dict:
+        variant = variant or self.default_variant
+        if variant not in self.variants:
+            raise SurgeryError(f"model family {self.name!r} has no variant {variant!r}; known: {sorted(self.variants)}.")
+        return dict(self.variants[variant])
+
+    def model_names(self) -> list[str]:
+        """The `--model` names of this family's variants: `<family>-<variant>` (or the family's name alone)."""
+        return [self.name if v == self.name else f"{self.name}-{v}" for v in self.variants]
+
+
 _registry: list[Rewrite] = []
 _tp_plans: dict[type[nn.Module] | str, dict] = {}
 _tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
+_families: dict[str, Family] = {}
 _builtins_loaded = False
 
 
@@ -82,6 +124,16 @@ def register_tp_plan(
         _tp_checks[cls] = check
 
 
+def register_family(family: Family) -> None:
+    """Register a model family: its descriptor, its rewrites and its tensor-parallel plans."""
+    if family.name in _families:
+        raise ValueError(f"A model family named {family.name!r} is already registered.")
+    _families[family.name] = family
+    register(*family.rewrites)
+    for cls, plan in family.tp_plans.items():
+        register_tp_plan(cls, plan, family.tp_checks.get(cls))
+
+
 def qualified_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -94,11 +146,7 @@ def _load_builtins() -> None:
     import rewrites
 
     for info in pkgutil.iter_modules(rewrites.__path__):
-        family = importlib.import_module(f"rewrites.{info.name}")
-        register(*family.REWRITES)
-        checks = getattr(family, "TP_CHECKS", {})
-        for cls, plan in getattr(family, "TP_PLANS", {}).items():
-            register_tp_plan(cls, plan, checks.get(cls))
+        register_family(importlib.import_module(f"rewrites.{info.name}").FAMILY)
 
 
 def registered() -> tuple[Rewrite, ...]:
@@ -119,3 +167,54 @@ def tp_plans() -> dict[type[nn.Module] | str, dict]:
     """Every registered tensor-parallel plan, by module class (or qualified class name)."""
     _load_builtins()
     return dict(_tp_plans)
+
+
+def families() -> dict[str, Family]:
+    """Every registered model family, by name."""
+    _load_builtins()
+    return dict(_families)
+
+
+def model_class(family: Family) -> type[nn.Module]:
+    """The family's model class, imported if it was given by qualified name."""
+    cls = family.model_class
+    if isinstance(cls, str):
+        module, _, name = cls.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def family_of(model: nn.Module | type) -> Family:
+    """The family whose model class `model` is (an instance or a class)."""
+    cls = model if isinstance(model, type) else type(model)
+    for family in families().values():
+        if family.model_class in (cls, qualified_name(cls)):
+            return family
+    raise SurgeryError(
+        f"no registered model family describes {cls.__name__}; known: "
+        f"{', '.join(sorted(f.name for f in families().values() if f.variants))}. Register one with "
+        "surgery.register_family."
+    )
+
+
+def model_names() -> list[str]:
+    """Every name `--model` accepts: `<family>-<variant>`, and each family's aliases."""
+    names = []
+    for family in families().values():
+        names += family.model_names() + list(family.aliases)
+    return names
+
+
+def resolve_model(name: str) -> tuple[Family, str]:
+    """`(family, variant)` for a `--model` name: `flux2-klein-9b`, `flux1-dev`, `chroma` (a family's default), or an
+    alias a family keeps for older command lines (`klein-9b`)."""
+    for family in families().values():
+        if not family.variants:
+            continue
+        if name in family.aliases:
+            return family, family.aliases[name]
+        if name == family.name:
+            return family, family.default_variant or next(iter(family.variants))
+        if name.startswith(family.name + "-") and name[len(family.name) + 1 :] in family.variants:
+            return family, name[len(family.name) + 1 :]
+    raise SurgeryError(f"unknown model {name!r}; known: {', '.join(sorted(model_names()))}.")

@@ -8,14 +8,15 @@ the exact inverse before the error propagates.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
 import torch
 import torch.nn as nn
 
 from .checks import SurgeryError, check_hooks, check_linear, check_model
-from .registry import Rewrite, registered
+from .interop import after_rewrite
+from .registry import Rewrite
 from .slicing import Slice, concat, group_by_fused, take
+from .walk import find_modules
 
 
 @dataclass(frozen=True)
@@ -30,29 +31,6 @@ class RewriteRecord:
 
 
 _REPORT_ATTR = "_surgery_report"
-T = TypeVar("T")
-
-
-def outermost(model: nn.Module, match: Callable[[nn.Module], T | None]) -> list[tuple[str, nn.Module, T]]:
-    """`(path, module, match(module))` for each module that `match` accepts, skipping those nested in one already found."""
-    found: list[tuple[str, nn.Module, T]] = []
-    for path, module in model.named_modules():
-        if any(p == "" or path == p or path.startswith(p + ".") for p, _, _ in found):
-            continue
-        hit = match(module)
-        if hit is not None:
-            found.append((path, module, hit))
-    return found
-
-
-def find_modules(model: nn.Module, fused: bool) -> list[tuple[str, nn.Module, Rewrite]]:
-    """`(path, module, rewrite)` for every module in fused (or unfused) form, outermost first, not nested."""
-    rewrites = registered()
-
-    def match(module: nn.Module) -> Rewrite | None:
-        return next((r for r in rewrites if (r.matches_fused if fused else r.matches_unfused)(module)), None)
-
-    return outermost(model, match)
 
 
 def last_report(model: nn.Module) -> list[RewriteRecord]:
@@ -108,9 +86,7 @@ def _rewrite(model: nn.Module, unfusing: bool) -> nn.Module:
             root = _swap(root, slots, new, old)
         raise
     object.__setattr__(root, _REPORT_ATTR, records)
-    from .tensor_parallel import sync_diffusers_tp_plans  # imports this module
-
-    sync_diffusers_tp_plans(root)
+    after_rewrite(root)
     return root
 
 

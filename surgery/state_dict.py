@@ -7,7 +7,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from .rewrite import find_modules
+from .walk import find_modules
 from .slicing import Slice, concat, group_by_fused, take
 
 

@@ -1,7 +1,7 @@
 """`tensor_parallel`: shard an unfused model with stock `parallelize_module`, one call per transformer block.
 
 Each module class that can be sharded has a plan of stock styles registered beside its definition (see
-`rewrites/flux2.py`). Nothing here runs in forward: the plans' hooks and DTensor do all the work.
+each family's file in `rewrites/`). Nothing here runs in forward: the plans' hooks and DTensor do all the work.
 """
 
 from __future__ import annotations
@@ -23,26 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from .checks import SurgeryError, check_hooks, check_linear, check_model, mesh_sizes_dividing
 from .registry import tp_plan_for, tp_plans
-from .rewrite import find_modules, outermost
-
-
-def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, ParallelStyle]]]:
-    """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only)."""
-    def match(module: nn.Module) -> dict | None:
-        plan, _ = tp_plan_for(module)
-        if plan is None:
-            return None
-        return {key: style for key, style in plan.items() if key == "" or _has_submodule(module, key)}
-
-    return outermost(model, match)
-
-
-def _has_submodule(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
+from .walk import block_path, find_modules, planned_modules
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -125,20 +106,11 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
                 )
 
 
-def _block_path(model: nn.Module, path: str) -> tuple[str, bool]:
-    """The enclosing transformer block: the path up to the first ModuleList element (True), else `path` (False)."""
-    parts = path.split(".") if path else []
-    for i, part in enumerate(parts):
-        if isinstance(model.get_submodule(".".join(parts[:i])), nn.ModuleList):
-            return ".".join(parts[: i + 1]), True
-    return path, False
-
-
 def block_plans(model: nn.Module, planned: list) -> list[tuple[str, dict[str, ParallelStyle], ParallelStyle | None]]:
     """`(block path, plan relative to the block, style for the block itself)`, each style a fresh copy."""
     blocks: dict[str, tuple[dict, list]] = {}
     for path, _, plan in planned:
-        block, _ = _block_path(model, path)
+        block, _ = block_path(model, path)
         relative = path[len(block) :].lstrip(".")
         entries, own = blocks.setdefault(block, ({}, []))
         for key, style in plan.items():
@@ -233,46 +205,9 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
 def apply_plans(model: nn.Module, planned: list, mesh: DeviceMesh, src_data_rank: int | None) -> None:
     """One stock `parallelize_module` call per block (plus one for a block's own style); parameters already placed
     as DTensors, by `shard_on_host` or a sharded load, pass through the stock styles untouched."""
-    for block_path, plan, own in block_plans(model, planned):
-        block = model.get_submodule(block_path)
+    for path, plan, own in block_plans(model, planned):
+        block = model.get_submodule(path)
         shard_on_host(block, plan, mesh, src_data_rank)
         parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
         if own is not None:
             parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
-def _style_name(style: ParallelStyle) -> str | None:
-    if isinstance(style, ColwiseParallel):
-        return "colwise"
-    if isinstance(style, RowwiseParallel):
-        return "rowwise"
-    return None
-
-
-def diffusers_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The flat `_tp_plan` diffusers' `enable_parallelism` reads, for `model`'s current modules.
-
-    Plain "colwise"/"rowwise" entries only: diffusers' format has no partial outputs, so a single-stream block then
-    all-reduces twice (attention and MLP outputs) where `tensor_parallel` all-reduces once.
-    """
-    flat: dict[str, str] = {}
-    for path, _, plan in planned_modules(model):
-        block, in_list = _block_path(model, path)
-        prefix = f"{block.rpartition('.')[0]}.*" if in_list else block
-        for key, style in plan.items():
-            name = _style_name(style)
-            if name is not None:
-                flat[".".join(p for p in (prefix, path[len(block) :].lstrip("."), key) if p)] = name
-    return flat
-
-
-def sync_diffusers_tp_plans(model: nn.Module) -> None:
-    """Give each diffusers model in `model` that holds unfused modules an instance `_tp_plan` that fits them.
-
-    A model back in fused form loses the override and reads its class's packed plan again.
-    """
-    for module in model.modules():
-        if getattr(type(module), "_tp_plan", None) is None:
-            continue
-        if find_modules(module, fused=False):
-            module._tp_plan = diffusers_tp_plan(module)
-        else:
-            vars(module).pop("_tp_plan", None)

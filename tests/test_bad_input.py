@@ -1,17 +1,15 @@
 """Bad input gets a clear error naming the module and leaves the model exactly as it was."""
 
-import os
 import unittest
 import warnings
 from unittest import mock
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import surgery
 import surgery.rewrite
-from surgery.distributed import free_port
+from surgery.testing import single_rank_group
 from flux2_testing import assert_unchanged, build, small_config, snapshot
 
 SINGLE = "single_transformer_blocks.1.attn"
@@ -104,12 +102,12 @@ class Refusals(unittest.TestCase):
 class AlreadySharded(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        cls.group = single_rank_group()
+        cls.group.__enter__()
 
     @classmethod
     def tearDownClass(cls):
-        dist.destroy_process_group()
+        cls.group.__exit__(None, None, None)
 
     def test_dtensor_weights(self):
         from torch.distributed.device_mesh import init_device_mesh

@@ -26,10 +26,11 @@ class Demo(unittest.TestCase):
 
 class BadArguments(unittest.TestCase):
     @parameterized.expand([
-        (["demo", "--tp", "5"], "--tp 5 does not divide the 24 heads of klein-4b"),
-        (["demo", "--head-dim", "12"], "--head-dim 12 is not a multiple of 8"),
+        (["demo", "--tp", "5"], "--tp 5 does not divide the 24 heads of flux2-klein-4b"),
+        (["demo", "--model", "klein-9b", "--tp", "5"], "--tp 5 does not divide the 32 heads of klein-9b"),
+        (["demo", "--head-dim", "12"], "head_dim 12 is not a multiple of 8"),
         (["demo", "--tp", "0"], "must be at least 1"),
-        (["demo", "--model", "flux1"], "invalid choice"),
+        (["demo", "--model", "flux9"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
     ])
     def test_exit_two_with_one_line(self, args, message):

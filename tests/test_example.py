@@ -13,7 +13,6 @@ import torch
 from parameterized import parameterized
 
 import pipeline_testing as P
-from surgery.distributed import free_port
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "flux2_klein_tp.py"
 ARGS = ["--device", "cpu", "--steps", "1", "--height", "32", "--width", "32", "--dtype", "float32", "--seed", "3"]
@@ -37,8 +36,8 @@ class TorchrunExample(unittest.TestCase):
     @parameterized.expand([("sharded_load", []), ("full_load", ["--full-load"])])
     def test_two_ranks_save_the_single_device_image(self, _, extra):
         out = Path(self.tmp.name) / f"image{len(extra)}.png"
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                   str(free_port()), str(EXAMPLE), "--model", str(self.folder), "--out", str(out), *ARGS, *extra]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(EXAMPLE), "--model", str(self.folder), "--out", str(out), *ARGS, *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(EXAMPLE.parent.parent))
         result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])

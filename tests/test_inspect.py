@@ -28,7 +28,7 @@ class RewriteTable(unittest.TestCase):
 class Plan(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.plan = inspect.plan(CONFIGS["klein-9b"], 8)
+        cls.plan = inspect.plan("flux2-klein-9b", 8)
 
     def test_klein9b_tp8_bytes_per_rank(self):
         p = self.plan
@@ -96,6 +96,26 @@ def run(*args):
     return code, out.getvalue(), err.getvalue()
 
 
+_BAD_CONFIGS = {
+    "unknown_key": {"frobnication": 3},
+    "zero_heads": {"num_attention_heads": 0},
+    "negative_heads": {"num_attention_heads": -4},
+    "other_family": {"_class_name": "UNet2DConditionModel"},
+}
+
+
+def _config_file(name: str) -> str:
+    """A config.json of FLUX.2-klein-9B with one thing wrong."""
+    import json
+    import tempfile
+
+    config = dict(CONFIGS["klein-9b"], _class_name="Flux2Transformer2DModel")
+    config.update(_BAD_CONFIGS[name])
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(config, f)
+    return f.name
+
+
 class Commands(unittest.TestCase):
     def test_plan(self):
         code, out, _ = run("plan", "--model", "klein-4b", "--tp", "4", "--image-tokens", "256", "--text-tokens", "64")
@@ -111,10 +131,16 @@ class Commands(unittest.TestCase):
 
     @parameterized.expand([
         (["plan", "--model", "klein-9b", "--tp", "5"], 1, "has 32 attention heads, which a mesh of 5 cannot split"),
-        (["plan", "--config", "/nonexistent/config.json", "--tp", "2"], 2, "--config /nonexistent/config.json"),
+        (["plan", "--config", "/nonexistent/config.json", "--tp", "2"], 1, "--config /nonexistent/config.json"),
+        (["plan", "--config", "@unknown_key", "--tp", "2"], 1, "takes no argument 'frobnication'"),
+        (["plan", "--config", "@zero_heads", "--tp", "2"], 1, "num_attention_heads=0; it must be at least 1"),
+        (["inspect", "--config", "@negative_heads"], 1, "num_attention_heads=-4; it must be at least 1"),
+        (["inspect", "--config", "@other_family"], 1, "_class_name 'UNet2DConditionModel' is no registered family"),
+        (["plan", "--model", "flux1-schnell-xl", "--tp", "2"], 2, "invalid choice"),
         (["plan", "--model", "klein-9b"], 2, "the following arguments are required: --tp"),
     ])
     def test_bad_arguments(self, args, code, message):
+        args = [_config_file(a[1:]) if a.startswith("@") else a for a in args]
         got, _, err = run(*args)
         self.assertEqual(got, code)
         self.assertIn(message, err.strip().splitlines()[-1])

@@ -9,15 +9,15 @@ import unittest
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from parameterized import parameterized
 from safetensors.torch import load_file, save_file
 
 import load_worker
 import surgery
+from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, small_config
 from surgery.cli import main as surgery_main
-from surgery.distributed import free_port
+from surgery.testing import single_rank_group
 
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
 ROOT = Path(tempfile.mkdtemp(prefix="surgery-load-"))
@@ -74,7 +74,7 @@ def loaded(world: int) -> dict[str, list[dict]]:
     if world == 2:
         specs["pipeline"] = (pipeline_folder(), "dev_small", 5, "float32")
         specs["unfused-layout"] = (unfused_layout(), "tp_wide", 3, "float32")
-    by_rank = surgery.run_on_cpu_ranks(load_worker.compare_all, world, list(specs.values()))
+    by_rank = run_on_cpu_ranks(load_worker.compare_all, world, list(specs.values()))
     return {name: [results[i] for results in by_rank] for i, name in enumerate(specs)}
 
 
@@ -118,7 +118,7 @@ class PeakMemory(unittest.TestCase):
     @parameterized.expand([(2,), (4,)])
     def test_peak_is_about_the_shard_plus_one_tensor(self, world):
         warmup = checkpoint("tp_wide-fp32-single")
-        results = surgery.run_on_cpu_ranks(load_worker.peak_memory, world, str(self.folder), warmup)
+        results = run_on_cpu_ranks(load_worker.peak_memory, world, str(self.folder), warmup)
         self.assertGreater(self.size, 250 * 2**20)
         full = results[0]
         print(f"\n{self.size / 2**20:.0f} MB fp32 checkpoint loaded as bf16; diffusers' full load: peak "
@@ -155,13 +155,13 @@ class BadCheckpoints(unittest.TestCase):
     def setUpClass(cls):
         from torch.distributed.device_mesh import init_device_mesh
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        cls.group = single_rank_group()
+        cls.group.__enter__()
         cls.mesh = init_device_mesh("cpu", (1,))
 
     @classmethod
     def tearDownClass(cls):
-        dist.destroy_process_group()
+        cls.group.__exit__(None, None, None)
 
     def edited(self, tmp, edit):
         folder = Path(tmp) / "bad"

@@ -12,6 +12,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName
 import pipeline_testing as P
 import pipeline_worker
 import surgery
+from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
 
 FP32_TOL = 1e-5
@@ -24,7 +25,7 @@ def stock_image() -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def two_ranks() -> list[dict]:
-    return surgery.run_on_cpu_ranks(pipeline_worker.run, 2)
+    return run_on_cpu_ranks(pipeline_worker.run, 2)
 
 
 class KleinPipeline(unittest.TestCase):

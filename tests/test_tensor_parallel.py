@@ -5,7 +5,7 @@ import unittest
 
 from parameterized import parameterized
 
-import surgery
+from surgery.testing import run_on_cpu_ranks
 import tp_worker
 
 FP32_TOL = 1e-5
@@ -15,7 +15,7 @@ WORLDS = (2, 4)
 @functools.lru_cache(maxsize=None)
 def results(world: int) -> list[dict]:
     """One spawned job per world size runs every check; each test reads its part (per rank)."""
-    return surgery.run_on_cpu_ranks(tp_worker.run, world)
+    return run_on_cpu_ranks(tp_worker.run, world)
 
 
 CASES = [(world, f"{c[0]}-{c[1]}") for world in WORLDS for c in tp_worker.CASES[world]]

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
-from surgery.baselines import diffusers_packed_tp
+from surgery.testing import CollectiveCounter, diffusers_packed_tp
 from surgery.inspect import local_bytes
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 from test_unfuse_equivalence import use_kv_processors
@@ -43,10 +43,10 @@ def check_case(rank, world, mesh, name, seed, batch, guidance) -> dict:
     with torch.no_grad():
         expected = _forward(fused, kw)
         model = sharded(fused, mesh)
-        with surgery.CollectiveCounter() as ours:
+        with CollectiveCounter() as ours:
             result["forward"] = rel_err(_forward(model, kw), expected)
         packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
-        with surgery.CollectiveCounter() as theirs:
+        with CollectiveCounter() as theirs:
             result["diffusers_forward"] = rel_err(_forward(packed, kw), expected)
     result["collectives"], result["diffusers_collectives"] = dict(ours.counts), dict(theirs.counts)
     result["allreduce_bytes"], result["diffusers_allreduce_bytes"] = ours.bytes, theirs.bytes
@@ -105,7 +105,7 @@ def check_src_data_rank(rank, mesh) -> dict:
     with torch.no_grad():
         expected = _forward(build(config, 5), kw)
         model = surgery.unfuse(build(config, 5))
-        with surgery.CollectiveCounter() as counter:
+        with CollectiveCounter() as counter:
             surgery.tensor_parallel(model, mesh, src_data_rank=None)
         result["none_sharding_collectives"] = counter.total
         result["none_forward"] = rel_err(_forward(model, kw), expected)
@@ -126,7 +126,7 @@ def check_place(rank, mesh) -> dict:
     rank0 = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
     out = {}
     for placement in (Shard(0), Shard(1), Replicate()):
-        with surgery.CollectiveCounter() as counter:
+        with CollectiveCounter() as counter:
             own = place(mine, placement, mesh, None)
         out[f"{placement}-none"] = (torch.equal(own.to_local(), _expected_local(mine, placement, mesh)), counter.total)
         from_rank0 = place(mine, placement, mesh, 0)
@@ -145,7 +145,7 @@ def check_enable_parallelism_plan(rank, world, mesh) -> dict:
     kw = inputs(config, 9)
     with torch.no_grad():
         model = diffusers_packed_tp(surgery.unfuse(copy.deepcopy(fused)), mesh)
-        with surgery.CollectiveCounter() as counter:
+        with CollectiveCounter() as counter:
             error = rel_err(_forward(model, kw), _forward(fused, kw))
     return {"forward": error, "collectives": dict(counter.counts)}
 

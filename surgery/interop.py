@@ -1,0 +1,55 @@
+"""diffusers interop kept out of the rewrite engine: what `unfuse` and `fuse` tell diffusers after they swap modules.
+
+Today: the model's `_tp_plan` (what diffusers' own `enable_parallelism` reads) is made to fit its current modules.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from .walk import block_path, find_modules, planned_modules
+
+
+def after_rewrite(model: nn.Module) -> None:
+    """Called by `unfuse` and `fuse` once every module is swapped."""
+    sync_diffusers_tp_plans(model)
+
+
+def _style_name(style: ParallelStyle) -> str | None:
+    if isinstance(style, ColwiseParallel):
+        return "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "rowwise"
+    return None
+
+
+def diffusers_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The flat `_tp_plan` diffusers' `enable_parallelism` reads, for `model`'s current modules.
+
+    Plain "colwise"/"rowwise" entries only: diffusers' format has no partial outputs, so a single-stream block then
+    all-reduces twice (attention and MLP outputs) where `tensor_parallel` all-reduces once.
+    """
+    flat: dict[str, str] = {}
+    for path, _, plan in planned_modules(model):
+        block, in_list = block_path(model, path)
+        prefix = f"{block.rpartition('.')[0]}.*" if in_list else block
+        for key, style in plan.items():
+            name = _style_name(style)
+            if name is not None:
+                flat[".".join(p for p in (prefix, path[len(block) :].lstrip("."), key) if p)] = name
+    return flat
+
+
+def sync_diffusers_tp_plans(model: nn.Module) -> None:
+    """Give each diffusers model in `model` that holds unfused modules an instance `_tp_plan` that fits them.
+
+    A model back in fused form loses the override and reads its class's packed plan again.
+    """
+    for module in model.modules():
+        if getattr(type(module), "_tp_plan", None) is None:
+            continue
+        if find_modules(module, fused=False):
+            module._tp_plan = diffusers_tp_plan(module)
+        else:
+            vars(module).pop("_tp_plan", None)

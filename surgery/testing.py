@@ -1,0 +1,107 @@
+"""Helpers for tests, the demo, the benchmarks and the notebooks — not part of the verbs' API.
+
+    from surgery.testing import rel_err, CollectiveCounter, run_on_cpu_ranks, seeded_model, diffusers_packed_tp
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator
+from unittest import mock
+
+import torch
+import torch.nn as nn
+
+from .distributed import CollectiveCounter, run_on_cpu_ranks
+from .inspect import default_dtype
+from .registry import Family, family_of, model_class
+from .verify import rel_err
+
+__all__ = [
+    "CollectiveCounter",
+    "assert_unchanged",
+    "default_dtype",
+    "diffusers_packed_tp",
+    "example_inputs",
+    "family_of",
+    "rel_err",
+    "run_on_cpu_ranks",
+    "seeded_model",
+    "single_rank_group",
+    "snapshot",
+]
+
+
+def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`family`'s model built from `config`, every weight (norm scales and biases too) drawn from `seed`, in eval mode.
+
+    Matrices are N(0, 1/fan_in), vectors N(1, 0.1): no parameter is left at an initializer's zeros or ones, so a
+    rewrite that dropped or swapped one shows in the outputs.
+    """
+    torch.manual_seed(seed)
+    with default_dtype(dtype):
+        model = model_class(family)(**config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            else:
+                param.normal_(1.0, 0.1)
+    return model.eval()
+
+
+def example_inputs(family: Family, config: dict, **kwargs) -> dict:
+    """Seeded forward arguments for `family`'s model at `config` (see `Family.example_inputs`)."""
+    return family.example_inputs(config, **kwargs)
+
+
+def diffusers_packed_tp(model: nn.Module, mesh, plan: dict | None = None) -> nn.Module:
+    """Shard `model` with diffusers' `apply_tensor_parallel` (what `enable_parallelism` calls) over `mesh`.
+
+    The baseline that tests and benchmarks compare with. `plan` defaults to the model's `_tp_plan` (packed styles on a
+    fused model; plain ones on an unfused model). diffusers refuses a CPU mesh; for a like-for-like comparison on gloo
+    that one check is lifted here.
+    """
+    import diffusers.hooks.tensor_parallel as dtp
+    from diffusers.models._modeling_parallel import TensorParallelConfig
+
+    config = TensorParallelConfig(mesh=mesh)
+    config.setup(mesh.get_rank(), mesh.size(), torch.device(mesh.device_type), mesh)
+    supported = tuple(dict.fromkeys((*dtp._SUPPORTED_TP_DEVICES, mesh.device_type)))
+    with mock.patch.object(dtp, "_SUPPORTED_TP_DEVICES", supported):
+        dtp.apply_tensor_parallel(model, config, plan if plan is not None else model._tp_plan)
+    return model
+
+
+@contextlib.contextmanager
+def single_rank_group() -> Iterator[None]:
+    """A gloo process group of one rank in this process, joined through a file store (no port to pick)."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory(prefix="surgery-store-") as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def snapshot(model: nn.Module) -> tuple:
+    """Everything an atomic failure must leave unchanged: module objects, classes, parameter objects and values."""
+    modules = [(name, id(m), type(m)) for name, m in model.named_modules()]
+    params = {name: (id(p), p.detach().clone()) for name, p in model.named_parameters()}
+    return modules, params
+
+
+def assert_unchanged(model: nn.Module, snap: tuple) -> None:
+    """Raise AssertionError unless `model` is exactly as `snapshot` saw it (same objects, same values)."""
+    modules, params = snap
+    now_modules = [(name, id(m), type(m)) for name, m in model.named_modules()]
+    assert now_modules == modules, "the module tree changed"
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys(), "the parameter names changed"
+    for name, (pid, value) in params.items():
+        assert id(now[name]) == pid, f"{name}: another Parameter object"
+        assert torch.equal(now[name].detach(), value), f"{name}: other values"

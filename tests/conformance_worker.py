@@ -1,0 +1,119 @@
+"""The conformance checks every registered family gets, as plain functions: single-device ones run in pytest, the
+tensor-parallel ones on each gloo rank of one spawned job per world size."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import surgery
+from surgery.inspect import local, local_bytes
+from surgery.registry import Family, families, model_class
+from surgery.testing import CollectiveCounter, diffusers_packed_tp, rel_err, seeded_model
+
+FP32_TOL, BF16_TOL = 1e-5, 3e-2
+
+
+def conformant_families() -> list[Family]:
+    """Families with a model to build: published variants and small test configs."""
+    return [f for f in families().values() if f.variants and f.test_configs]
+
+
+def family_cases(tp_only: bool = False) -> list[tuple[str, str]]:
+    """`(family, test config)` for every family; `tp_only`: the first test config of each (what runs sharded)."""
+    cases = []
+    for family in conformant_families():
+        names = list(family.test_configs)
+        cases += [(family.name, name) for name in (names[:1] if tp_only else names)]
+    return cases
+
+
+def make(family_name: str, config_name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    family = families()[family_name]
+    config = dict(family.test_configs[config_name])
+    return family, config, seeded_model(family, config, seed, dtype)
+
+
+def inputs(family: Family, config: dict, seed: int, dtype: torch.dtype = torch.float32, batch: int = 2) -> dict:
+    return family.example_inputs(config, batch=batch, image_tokens=16, text_tokens=8, seed=seed, dtype=dtype)
+
+
+def output(model: nn.Module, kw: dict) -> torch.Tensor:
+    return model(**kw, return_dict=False)[0]
+
+
+def floating_inputs(kw: dict) -> list[str]:
+    return [k for k, v in kw.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2]
+
+
+def gradients(model: nn.Module, kw: dict, seed: int) -> tuple[dict, dict]:
+    """Input and parameter gradients of a seeded random projection of the output."""
+    kw = {k: v.detach().clone().requires_grad_(True) if k in floating_inputs(kw) else v for k, v in kw.items()}
+    out = output(model, kw)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)).sum().backward()
+    params = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+              for n, p in model.named_parameters() if p.grad is not None}
+    return {k: kw[k].grad for k in floating_inputs(kw)}, params
+
+
+def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int) -> dict:
+    """Sharded unfused model vs the single-device fused one: forward, gathered gradients, collectives, bytes."""
+    family, config, fused = make(family_name, config_name, seed)
+    mesh = init_device_mesh("cpu", (world,))
+    kw = inputs(family, config, seed)
+    result = {}
+    with torch.no_grad():
+        expected = output(fused, kw)
+        model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh)
+        with CollectiveCounter() as ours:
+            result["forward"] = rel_err(output(model, kw), expected)
+        result["collectives"] = dict(ours.counts)
+        if getattr(model_class(family), "_tp_plan", None) is not None:
+            packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
+            with CollectiveCounter() as theirs:
+                result["diffusers_forward"] = rel_err(output(packed, kw), expected)
+            result["diffusers_collectives"] = dict(theirs.counts)
+    result["expected_all_reduces"] = family.all_reduces(config) if family.all_reduces else None
+
+    unfused = surgery.unfuse(copy.deepcopy(fused))
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    sharded_bytes = sum(p.nbytes for n, p in unfused.named_parameters() if n in sharded)
+    result["bytes"] = local_bytes(model)
+    result["expected_bytes"] = local_bytes(unfused) - sharded_bytes + sharded_bytes // world
+    result["sharded_params"] = len(sharded)
+
+    (ref_in, ref), (tp_in, tp) = gradients(fused, kw, seed), gradients(model, kw, seed)
+    tp = surgery.fuse_state_dict(tp, surgery.key_map(model)) if surgery.key_map(model) else tp
+    result["grad_keys_match"] = sorted(tp) == sorted(ref)
+    result["param_grads"] = max(rel_err(tp[n], g) for n, g in ref.items())
+    result["input_grads"] = max((rel_err(tp_in[k], g) for k, g in ref_in.items()), default=0.0)
+    return result
+
+
+def tp_load_case(rank: int, world: int, family_name: str, config_name: str, seed: int, folder: str) -> dict:
+    """`load_tensor_parallel` of a fused checkpoint equals `unfuse` + `tensor_parallel` of the model, bitwise."""
+    family, config, fused = make(family_name, config_name, seed)
+    mesh = init_device_mesh("cpu", (world,))
+    loaded = surgery.load_tensor_parallel(model_class(family), folder, mesh, progress=False)
+    reference = surgery.tensor_parallel(surgery.unfuse(fused), mesh, src_data_rank=None)
+    mismatched = [
+        n for n, p in reference.named_parameters()
+        if type(p) is not type(loaded.get_parameter(n))
+        or (isinstance(p, DTensor) and p.placements != loaded.get_parameter(n).placements)
+        or not torch.equal(local(p), local(loaded.get_parameter(n)))
+    ]
+    return {"mismatched": mismatched}
+
+
+def run(rank: int, world: int, cases: list[tuple[str, str]], checkpoints: dict) -> dict:
+    out = {}
+    for seed, (family_name, config_name) in enumerate(cases):
+        key = f"{family_name}/{config_name}"
+        out[key] = tp_case(rank, world, family_name, config_name, seed)
+        if key in checkpoints:
+            out[key]["load"] = tp_load_case(rank, world, family_name, config_name, *checkpoints[key])
+    return out

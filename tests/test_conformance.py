@@ -1,0 +1,226 @@
+"""The conformance suite: every registered model family gets these checks by registering, not by copying tests.
+
+For each family with variants and test configs: unfused == fused (forward and backward, fp32 tight, bf16 loose, two
+seeds), row slices are views, `fuse` restores stock classes bitwise, the slices tile every fused parameter, builders
+never mutate their argument, every published variant rewrites on meta with the same parameter count, sharding at 8
+ranks on meta holds replicated + sharded/8 bytes; then real gloo jobs (world 2 for every test config, world 4 for one
+per family) against the single-device fused model: forward and gathered gradients, collectives per forward (exactly the
+family's declared all-reduces, never more than diffusers' packed plan), per-rank bytes, sharded loading and
+`surgery convert` through the same slice tables.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import shutil
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch
+from parameterized import parameterized
+from safetensors.torch import load_file
+
+import conformance_worker as W
+import surgery
+from surgery.inspect import fake_process_group, local_bytes, model_on_meta
+from surgery.registry import model_class
+from surgery.slicing import group_by_fused
+from surgery.testing import rel_err, run_on_cpu_ranks
+from surgery.walk import find_modules
+
+CASES = W.family_cases()
+TP_CASES = W.family_cases(tp_only=True)
+FAMILIES = [(f.name,) for f in W.conformant_families()]
+VARIANTS = [(f.name, v) for f in W.conformant_families() for v in f.variants]
+ROOT = Path(tempfile.mkdtemp(prefix="surgery-conformance-"))
+
+
+def tearDownModule():
+    shutil.rmtree(ROOT, ignore_errors=True)
+
+
+def _name(func, num, params):
+    return f"{func.__name__}_{'_'.join(str(a).replace('-', '_') for a in params.args)}"
+
+
+@functools.lru_cache(maxsize=None)
+def fused_checkpoint(family_name: str, config_name: str) -> str:
+    """A fused diffusers checkpoint of the case's seeded model (seed = its index in TP_CASES), sharded in two files."""
+    seed = TP_CASES.index((family_name, config_name))
+    _, _, model = W.make(family_name, config_name, seed)
+    folder = ROOT / f"{family_name}-{config_name}"
+    size = sum(p.nbytes for p in model.parameters())
+    model.save_pretrained(folder, max_shard_size=f"{size // 2 // 1000 + 1}KB")
+    return str(folder)
+
+
+@functools.lru_cache(maxsize=None)
+def tp_results(world: int) -> list[dict]:
+    cases = TP_CASES if world == 2 else TP_CASES[:: max(1, len(TP_CASES) // 3)]
+    checkpoints = {}
+    if world == 2:
+        for family_name, config_name in TP_CASES:
+            if W.families()[family_name].rewrites:
+                seed = TP_CASES.index((family_name, config_name))
+                checkpoints[f"{family_name}/{config_name}"] = (seed, fused_checkpoint(family_name, config_name))
+    # one seed per case, the same on every rank (the case's index)
+    return run_on_cpu_ranks(W.run, world, cases, checkpoints)
+
+
+class Equivalence(unittest.TestCase):
+    @parameterized.expand(CASES, name_func=_name)
+    def test_forward_and_backward_fp32(self, family_name, config_name):
+        for seed in (0, 1):
+            family, config, fused = W.make(family_name, config_name, seed)
+            unfused = surgery.unfuse(copy.deepcopy(fused))
+            kw = W.inputs(family, config, seed)
+            with torch.no_grad():
+                self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
+            (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
+            got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
+            self.assertEqual(sorted(got), sorted(ref))
+            for name, grad in ref.items():
+                self.assertLessEqual(rel_err(got[name], grad), W.FP32_TOL, name)
+            for name, grad in ref_in.items():
+                self.assertLessEqual(rel_err(got_in[name], grad), W.FP32_TOL, name)
+
+    @parameterized.expand(CASES, name_func=_name)
+    def test_forward_bf16(self, family_name, config_name):
+        family, config, fused = W.make(family_name, config_name, 2, torch.bfloat16)
+        unfused = surgery.unfuse(copy.deepcopy(fused))
+        kw = W.inputs(family, config, 2, torch.bfloat16)
+        with torch.no_grad():
+            self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.BF16_TOL)
+
+
+class Structure(unittest.TestCase):
+    @parameterized.expand(TP_CASES, name_func=_name)
+    def test_row_slices_are_views_and_fuse_is_bitwise_with_stock_classes(self, family_name, config_name):
+        _, _, fused = W.make(family_name, config_name)
+        original = copy.deepcopy(fused)
+        before = dict(fused.named_parameters())
+        slices = surgery.key_map(fused)
+        surgery.unfuse(fused)
+        after = dict(fused.named_parameters())
+        for s in slices:
+            if s.dim == 0:
+                self.assertEqual(after[s.unfused].untyped_storage().data_ptr(),
+                                 before[s.fused].untyped_storage().data_ptr(), s.unfused)
+        self.assertEqual(find_modules(fused, fused=True), [])
+        surgery.fuse(fused)
+        self.assertEqual([(n, type(m)) for n, m in fused.named_modules()],
+                         [(n, type(m)) for n, m in original.named_modules()])
+        fused_state, original_state = fused.state_dict(), original.state_dict()
+        self.assertEqual(list(fused_state), list(original_state))
+        for key, value in original_state.items():
+            self.assertTrue(torch.equal(fused_state[key], value), key)
+
+    @parameterized.expand(TP_CASES, name_func=_name)
+    def test_slices_tile_each_fused_parameter_exactly(self, family_name, config_name):
+        _, _, fused = W.make(family_name, config_name)
+        for path, module, rewrite in find_modules(fused, fused=True):
+            params = dict(module.named_parameters())
+            for name, group in group_by_fused(rewrite.slices(module)):
+                edges = [(s.start, s.stop) for s in group]
+                self.assertEqual(edges[0][0], 0, f"{path}.{name}")
+                self.assertTrue(all(a[1] == b[0] for a, b in zip(edges, edges[1:])), f"{path}.{name}: {edges}")
+                self.assertEqual(edges[-1][1], params[name].shape[group[0].dim], f"{path}.{name}")
+
+    @parameterized.expand(TP_CASES, name_func=_name)
+    def test_builders_never_mutate_their_argument(self, family_name, config_name):
+        _, _, fused = W.make(family_name, config_name)
+        unfused = surgery.unfuse(copy.deepcopy(fused))
+        for model, is_fused in ((fused, True), (unfused, False)):
+            for path, module, rewrite in find_modules(model, fused=is_fused):
+                snap = surgery.testing.snapshot(module)
+                attributes = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+                (rewrite.build_unfused if is_fused else rewrite.build_fused)(module)
+                surgery.testing.assert_unchanged(module, snap)
+                self.assertEqual({k: v for k, v in vars(module).items() if not k.startswith("_")}, attributes, path)
+
+
+class FullSize(unittest.TestCase):
+    @parameterized.expand(VARIANTS, name_func=_name)
+    def test_published_variant_rewrites_on_meta(self, family_name, variant):
+        family = surgery.families()[family_name]
+        model = model_on_meta(family, family.config(variant))
+        count = sum(p.numel() for p in model.parameters())
+        fused = len(find_modules(model, fused=True))
+        surgery.unfuse(model)
+        self.assertEqual(len(surgery.last_report(model)), fused)
+        self.assertEqual(find_modules(model, fused=True), [])
+        self.assertEqual(sum(p.numel() for p in model.parameters()), count)
+        surgery.fuse(model)
+        self.assertEqual(sum(p.numel() for p in model.parameters()), count)
+
+    @parameterized.expand(FAMILIES, name_func=_name)
+    def test_default_variant_at_tp8_holds_replicated_plus_sharded_over_8(self, family_name):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+
+        family = surgery.families()[family_name]
+        config = family.config()
+        with fake_process_group(8):
+            model = surgery.unfuse(model_on_meta(family, config, torch.bfloat16))
+            whole = {n: p.nbytes for n, p in model.named_parameters()}
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (8,)), src_data_rank=None)
+            sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+            per_rank = local_bytes(model)
+        expected = sum(b for n, b in whole.items() if n not in sharded) + sum(whole[n] for n in sharded) // 8
+        self.assertEqual(per_rank, expected)
+        self.assertGreater(sum(whole[n] for n in sharded), 0.8 * sum(whole.values()))  # the blocks' Linears
+
+
+class TensorParallel(unittest.TestCase):
+    @parameterized.expand([(2, *c) for c in TP_CASES], name_func=_name)
+    def test_matches_single_device_fused_model(self, world, family_name, config_name):
+        results = tp_results(world)
+        key = f"{family_name}/{config_name}"
+        for rank, by_case in enumerate(results):
+            r = by_case[key]
+            self.assertGreater(r["sharded_params"], 0)
+            self.assertLessEqual(r["forward"], W.FP32_TOL, f"rank {rank}")
+            self.assertTrue(r["grad_keys_match"])
+            self.assertLessEqual(r["param_grads"], W.FP32_TOL, f"rank {rank}")
+            self.assertLessEqual(r["input_grads"], W.FP32_TOL, f"rank {rank}")
+            self.assertEqual(r["bytes"], r["expected_bytes"])
+            if r["expected_all_reduces"] is not None:
+                self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]})
+            if "diffusers_collectives" in r:
+                self.assertLessEqual(r["diffusers_forward"], W.FP32_TOL)  # their plan is a fair baseline
+                self.assertLessEqual(sum(r["collectives"].values()), sum(r["diffusers_collectives"].values()))
+
+    def test_world_4(self):
+        for by_case in tp_results(4):
+            for key, r in by_case.items():
+                self.assertLessEqual(r["forward"], W.FP32_TOL, key)
+                self.assertLessEqual(r["param_grads"], W.FP32_TOL, key)
+                self.assertEqual(r["bytes"], r["expected_bytes"], key)
+
+    @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
+    def test_sharded_load_is_bitwise_unfuse_then_tensor_parallel(self, family_name, config_name):
+        for by_case in tp_results(2):
+            self.assertEqual(by_case[f"{family_name}/{config_name}"]["load"]["mismatched"], [])
+
+
+class Convert(unittest.TestCase):
+    @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
+    def test_round_trip_through_the_unfused_layout_is_bitwise(self, family_name, config_name):
+        source = Path(fused_checkpoint(family_name, config_name))
+        family = surgery.families()[family_name]
+        with tempfile.TemporaryDirectory() as tmp:
+            surgery.convert_checkpoint(source, f"{tmp}/unfused")
+            surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/fused", to="fused")
+            original = {}
+            for file in source.glob("*.safetensors"):
+                original.update(load_file(file))
+            back = {}
+            for file in Path(f"{tmp}/fused").glob("*.safetensors"):
+                back.update(load_file(file))
+            self.assertEqual(sorted(back), sorted(original))
+            for key, value in original.items():
+                self.assertTrue(torch.equal(back[key], value), key)
+            reloaded = model_class(family).from_pretrained(f"{tmp}/fused")
+            self.assertEqual(sorted(reloaded.state_dict()), sorted(original))
