@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutp
 
 from surgery.checks import SurgeryError
 from surgery.registry import Family, Rewrite
-from surgery.slicing import Slice
+from surgery.slicing import Slice, column_slices, row_slices
 from surgery.tensor_parallel import per_head_norm
 
 
@@ -277,27 +277,16 @@ class Flux2SplitQKVAttention(Flux2Attention):
 # --- slices: which rows/columns of each fused parameter each unfused parameter is (for either form) ---------------
 
 
-def _rows(fused: str, parts: list[tuple[str, int]], param: str) -> list[Slice]:
-    slices, start = [], 0
-    for name, size in parts:
-        slices.append(Slice(f"{fused}.{param}", f"{name}.{param}", 0, start, start + size))
-        start += size
-    return slices
-
-
 def _parallel_self_attention_slices(m: nn.Module) -> list[Slice]:
     inner, mlp = m.inner_dim, m.mlp_hidden_dim
     rows = [("to_q", inner), ("to_k", inner), ("to_v", inner), ("mlp.linear_gate", mlp), ("mlp.linear_up", mlp)]
-    slices = _rows("to_qkv_mlp_proj", rows, "weight")
+    slices = row_slices("to_qkv_mlp_proj", rows, "weight")
     if m.use_bias:
-        slices += _rows("to_qkv_mlp_proj", rows, "bias")
-    slices += [
-        Slice("to_out.weight", "to_out.weight", 1, 0, inner),
-        Slice("to_out.weight", "mlp.linear_out.weight", 1, inner, inner + mlp),
-    ]
-    if m.to_out.bias is not None:
-        slices.append(Slice("to_out.bias", "to_out.bias", 0, 0, m.out_dim))
-    return slices
+        slices += row_slices("to_qkv_mlp_proj", rows, "bias")
+    bias = m.to_out.bias is not None
+    return slices + column_slices(
+        "to_out", [("to_out", inner), ("mlp.linear_out", mlp)], "to_out" if bias else None, m.out_dim
+    )
 
 
 def _feed_forward_slices(m: nn.Module) -> list[Slice]:
@@ -305,19 +294,19 @@ def _feed_forward_slices(m: nn.Module) -> list[Slice]:
     first = m.linear_in if fused else m.linear_gate
     hidden = first.out_features // 2 if fused else first.out_features
     rows = [("linear_gate", hidden), ("linear_up", hidden)]
-    return _rows("linear_in", rows, "weight") + (_rows("linear_in", rows, "bias") if first.bias is not None else [])
+    return row_slices("linear_in", rows, "weight") + (row_slices("linear_in", rows, "bias") if first.bias is not None else [])
 
 
 def _split_qkv_slices(m: nn.Module) -> list[Slice]:
     inner = m.inner_dim
-    slices = _rows("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "weight")
+    slices = row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "weight")
     if m.use_bias:
-        slices += _rows("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "bias")
+        slices += row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "bias")
     if m.added_kv_proj_dim is not None:
         added = [("add_q_proj", inner), ("add_k_proj", inner), ("add_v_proj", inner)]
-        slices += _rows("to_added_qkv", added, "weight")
+        slices += row_slices("to_added_qkv", added, "weight")
         if m.added_proj_bias:
-            slices += _rows("to_added_qkv", added, "bias")
+            slices += row_slices("to_added_qkv", added, "bias")
     return slices
 
 

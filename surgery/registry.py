@@ -55,7 +55,7 @@ class Rewrite:
         return type(module) is self.unfused
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Family:
     """Everything the tools need to know about one model family, declared in its `rewrites/<family>.py`.
 
@@ -69,7 +69,7 @@ class Family:
     """
 
     name: str
-    model_class: type[nn.Module] | str
+    model_class: type[nn.Module] | str | None  # None: a file of plans for modules that several families share
     variants: dict[str, dict] = field(default_factory=dict)
     sources: str = ""
     default_variant: str | None = None
@@ -82,6 +82,9 @@ class Family:
     reduced: Callable[[dict], dict] | None = None
     # other names `--model` accepts for a variant (kept so that older command lines still work)
     aliases: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Family({self.name!r}, variants={sorted(self.variants)})"
 
     def config(self, variant: str | None = None) -> dict:
         variant = variant or self.default_variant
@@ -117,8 +120,11 @@ def register_tp_plan(
     `cls` may be a class or its qualified name ("package.module.Class"), so that a family's plans cost no import of
     the library that defines it. `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the
     key `""` is the module itself. `check(module, path, world_size)` raises `SurgeryError` for sizes the mesh cannot
-    split (beyond the generic checks).
+    split (beyond the generic checks). A class has one plan: a module class shared by several families (diffusers'
+    `FeedForward`) is planned once, in `rewrites/diffusers_common.py`.
     """
+    if _tp_plans.get(cls, plan) is not plan:
+        raise ValueError(f"{cls!r} already has a tensor-parallel plan; a module class is planned in one place only.")
     _tp_plans[cls] = plan
     if check is not None:
         _tp_checks[cls] = check

@@ -82,3 +82,25 @@ def concat(parts: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, int]:
         return whole, 0
     whole = torch.cat(parts, dim=dim)
     return whole, 0 if whole.is_meta else whole.numel() * whole.element_size()
+
+
+def row_slices(fused: str, parts: list[tuple[str, int]], param: str = "weight") -> list[Slice]:
+    """Consecutive row blocks of `<fused>.<param>`, one per `(unfused module, rows)` part, in order."""
+    slices, start = [], 0
+    for name, size in parts:
+        slices.append(Slice(f"{fused}.{param}", f"{name}.{param}", 0, start, start + size))
+        start += size
+    return slices
+
+
+def column_slices(
+    fused: str, parts: list[tuple[str, int]], bias_to: str | None = None, bias_size: int = 0
+) -> list[Slice]:
+    """Consecutive column blocks of `<fused>.weight`, one per `(unfused module, columns)` part; the whole bias (a
+    column split leaves it whole: `y = W[:, a] x_a + W[:, b] x_b + bias`) goes to `bias_to`, if given, with its
+    `bias_size` (the output features)."""
+    slices, start = [], 0
+    for name, size in parts:
+        slices.append(Slice(f"{fused}.weight", f"{name}.weight", 1, start, start + size))
+        start += size
+    return slices + ([Slice(f"{fused}.bias", f"{bias_to}.bias", 0, 0, bias_size)] if bias_to else [])
