@@ -1,8 +1,10 @@
-"""FLUX.2 side by side: fused vs unfused, and surgery's TP vs diffusers' packed TP, as ratios measured in one run.
+"""Side by side: fused vs unfused, and surgery's TP vs diffusers' packed TP, as ratios measured in one run.
 
-    python benchmarks/flux2.py                 # CPU: about 8 minutes on 2 cores
+    python benchmarks/flux2.py                 # CPU, FLUX.2 klein widths: about 8 minutes on 2 cores
+    python benchmarks/flux2.py --model flux1-dev   # any registered family (`surgery plan --help` lists the names)
     python benchmarks/flux2.py --smoke         # seconds: tiny sizes, one repeat (what CI runs; timings meaningless)
-    python benchmarks/flux2.py --device cuda   # one GPU: full-size klein-9B bf16, eager and torch.compile
+    python benchmarks/flux2.py --device cuda   # one GPU: the full-size model (default klein-9B) in bf16, eager and
+                                               # torch.compile
 
 Timings are medians of interleaved repeats after warm-up. Results go to benchmarks/results/ as JSON and markdown.
 The script exits non-zero only when it fails to run, never because a number is bad.
@@ -27,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import surgery  # noqa: E402
 from surgery.testing import CollectiveCounter, run_on_cpu_ranks  # noqa: E402
-from diffusers import Flux2Transformer2DModel  # noqa: E402
-from rewrites.flux2 import CONFIGS, example_inputs, seeded_model  # noqa: E402
 from surgery import inspect, render  # noqa: E402
-from surgery.verify import rel_err  # noqa: E402
+from surgery.registry import families, model_class, resolve_model  # noqa: E402
+from surgery.testing import rel_err, seeded_model  # noqa: E402
 
 
 def machine() -> dict:
@@ -72,26 +73,28 @@ def interleaved(models: dict, inputs: dict, repeats: int, warmup: int, device: s
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def width_config(name: str, layers: int, single_layers: int) -> dict:
-    """A real config at full width and reduced depth."""
-    return dict(CONFIGS[name], num_layers=layers, num_single_layers=single_layers)
+def width_config(model: str, layers: int, single_layers: int, smoke: bool = False) -> tuple:
+    """`(family, config)`: a published config at full width and reduced depth (smoke: tiny heads too)."""
+    family, variant = resolve_model(model)
+    config = family.config(variant)
+    head_dim = 8 if smoke else config.get("attention_head_dim")
+    return family, family.reduced(config, layers=layers, single_layers=single_layers, head_dim=head_dim)
 
 
 def single_device(args) -> list[dict]:
     """Forward time, fused vs unfused, at real widths and reduced depth."""
     rows = []
-    shapes = [("klein-4b", 1, 2), ("klein-9b", 1, 1)] if not args.smoke else [("klein-4b", 1, 1)]
+    shapes = [(m, 1, 2) for m in args.models] if not args.smoke else [(args.models[0], 1, 1)]
     for name, layers, single in shapes:
-        config = width_config(name, layers, single)
-        if args.smoke:
-            config.update(num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8))
+        family, config = width_config(name, layers, single, args.smoke)
         for dtype in (torch.float32, torch.bfloat16):
-            fused = seeded_model(config, 0, dtype)
+            fused = seeded_model(family, config, 0, dtype)
             unfused = surgery.unfuse(copy.deepcopy(fused))
-            kw = example_inputs(config, image_tokens=args.image_tokens, text_tokens=args.text_tokens, dtype=dtype)
+            kw = family.example_inputs(config, image_tokens=args.image_tokens, text_tokens=args.text_tokens,
+                                       dtype=dtype)
             t = interleaved({"fused": fused, "unfused": unfused}, kw, args.repeats, args.warmup)
             with torch.no_grad():
-                error = rel_err(unfused(**kw).sample, fused(**kw).sample)
+                error = rel_err(unfused(**kw, return_dict=False)[0], fused(**kw, return_dict=False)[0])
             rows.append({
                 "model": f"{name} width, {layers}+{single} blocks", "dtype": str(dtype)[6:],
                 "tokens": args.image_tokens + args.text_tokens, "fused ms": t["fused"] * 1e3,
@@ -102,25 +105,24 @@ def single_device(args) -> list[dict]:
 
 
 def unfuse_cost(args) -> list[dict]:
-    """Wall time and bytes copied by unfuse: real klein-4B-width models, and full-size configs on meta."""
+    """Wall time and bytes copied by unfuse: a real-width model at reduced depth, and full-size configs on meta."""
     rows = []
     surgery.registered()  # load the rewrite registry first: not part of unfuse's cost
-    config = width_config("klein-4b", 1, 2 if not args.smoke else 1)
-    if args.smoke:
-        config.update(num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 8, 8, 8))
+    family, config = width_config(args.models[0], 1, 2 if not args.smoke else 1, args.smoke)
     for dtype in (torch.float32, torch.bfloat16):
-        model = seeded_model(config, 0, dtype)
+        model = seeded_model(family, config, 0, dtype)
         size = sum(p.nbytes for p in model.parameters())
         started = time.perf_counter()
         surgery.unfuse(model)
         seconds = time.perf_counter() - started
         copied = sum(r.bytes_copied for r in surgery.last_report(model))
-        rows.append({"model": f"klein-4b width, {config['num_layers']}+{config['num_single_layers']} blocks",
+        rows.append({"model": f"{args.models[0]} width, {config.get('num_layers')}+{config.get('num_single_layers')} "
+                     "blocks",
                      "device": "cpu", "dtype": str(dtype)[6:], "model bytes": render.mb(size),
                      "unfuse ms": seconds * 1e3, "bytes copied": render.mb(copied), "copied / model": copied / size})
-    for name in ("klein-9b", "dev") if not args.smoke else ("klein-9b",):
-        with torch.device("meta"):
-            model = Flux2Transformer2DModel(**CONFIGS[name])
+    for name in args.models if not args.smoke else args.models[:1]:
+        family, variant = resolve_model(name)
+        model = inspect.model_on_meta(family, family.config(variant))
         started = time.perf_counter()
         surgery.unfuse(model)
         rows.append({"model": f"{name} full size", "device": "meta", "dtype": "float32", "model bytes": "-",
@@ -129,24 +131,28 @@ def unfuse_cost(args) -> list[dict]:
     return rows
 
 
-def tp_rank(rank: int, world: int, config: dict, tokens: tuple[int, int], repeats: int, warmup: int) -> dict:
-    """One gloo rank: single-device fused, surgery's TP and diffusers' packed TP on the same model and inputs."""
+def tp_rank(rank: int, world: int, family_name: str, config: dict, tokens: tuple[int, int], repeats: int,
+            warmup: int) -> dict:
+    """One gloo rank: single-device fused, surgery's TP and diffusers' packed TP (where diffusers has a plan for the
+    model) on the same model and inputs."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from surgery.testing import diffusers_packed_tp
 
+    family = families()[family_name]
     mesh = init_device_mesh("cpu", (world,))
-    fused = seeded_model(config, 0)
-    kw = example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1])
+    fused = seeded_model(family, config, 0)
+    kw = family.example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1])
     ours = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh, src_data_rank=None)
-    packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
-    models = {"fused (1 device)": fused, "surgery TP": ours, "diffusers packed TP": packed}
+    models = {"fused (1 device)": fused, "surgery TP": ours}
+    if getattr(model_class(family), "_tp_plan", None) is not None:
+        models["diffusers packed TP"] = diffusers_packed_tp(copy.deepcopy(fused), mesh)
     result = {"times": interleaved(models, kw, repeats, warmup)}
     with torch.no_grad():
-        expected = fused(**kw).sample
-        for name in ("surgery TP", "diffusers packed TP"):
+        expected = fused(**kw, return_dict=False)[0]
+        for name in [n for n in models if "TP" in n]:
             with CollectiveCounter() as counter:
-                out = models[name](**kw).sample
+                out = models[name](**kw, return_dict=False)[0]
             result[name] = {
                 "collectives": counter.total, "bytes": counter.bytes, "error": rel_err(out, expected),
                 "param bytes": inspect.local_bytes(models[name]),
@@ -158,20 +164,23 @@ def tensor_parallel_cpu(args) -> list[dict]:
     """gloo TP at world 1/2/4 on CPU: ours vs diffusers' packed plan vs the single-device fused model."""
     from surgery.demo import demo_config
 
-    config = demo_config("flux2-klein-4b") if not args.smoke else demo_config("flux2-klein-4b", layers=1, single_layers=1, head_dim=8)
+    name = args.models[0]
+    family, _ = resolve_model(name)
+    smoke = dict(layers=1, single_layers=1, head_dim=8) if args.smoke else {}
+    config = demo_config(name, **smoke)
     tokens = (args.image_tokens, args.text_tokens)
-    model = f"klein-4b shape, head_dim {config['attention_head_dim']}, {config['num_layers']}+" \
-            f"{config['num_single_layers']} blocks, fp32"
+    model = f"{name} shape at demo size, fp32"
     rows = []
     for world in args.worlds:
-        rank0 = run_on_cpu_ranks(tp_rank, world, config, tokens, args.repeats, args.warmup)[0]
+        rank0 = run_on_cpu_ranks(tp_rank, world, family.name, config, tokens, args.repeats, args.warmup)[0]
         t = rank0["times"]
-        for name in ("surgery TP", "diffusers packed TP"):
-            r = rank0[name]
+        for plan in [n for n in rank0 if "TP" in n]:
+            r = rank0[plan]
             rows.append({
-                "model": model, "world": world, "plan": name, "forward ms": t[name] * 1e3,
-                "/ fused 1 device": t[name] / t["fused (1 device)"],
-                "/ diffusers": t[name] / t["diffusers packed TP"], "collectives": r["collectives"],
+                "model": model, "world": world, "plan": plan, "forward ms": t[plan] * 1e3,
+                "/ fused 1 device": t[plan] / t["fused (1 device)"],
+                "/ diffusers": t[plan] / t["diffusers packed TP"] if "diffusers packed TP" in t else "-",
+                "collectives": r["collectives"],
                 "all-reduced": render.mb(r["bytes"]), "param bytes / rank": render.mb(r["param bytes"]),
                 "max rel err": r["error"],
             })
@@ -181,9 +190,9 @@ def tensor_parallel_cpu(args) -> list[dict]:
 def on_paper(args) -> list[dict]:
     """Per-rank memory and all-reduce volume per denoising step at 1024x1024, from the fake-process-group planner."""
     rows = []
-    for name in CONFIGS if not args.smoke else ("klein-4b",):
+    for name in args.models if not args.smoke else args.models[:1]:
         for tp in (2, 4, 8) if not args.smoke else (2,):
-            p = inspect.plan(CONFIGS[name], tp)
+            p = inspect.plan(name, tp)
             rows.append({
                 "model": name, "TP": tp, "bytes / rank (bf16)": render.mb(p["bytes_per_rank"]),
                 "replicated": render.mb(p["replicated_bytes"]), "sharded / TP": render.mb(p["sharded_bytes"] // tp),
@@ -194,17 +203,18 @@ def on_paper(args) -> list[dict]:
 
 
 def cuda_full_size(args) -> list[dict]:
-    """Full-size klein-9B in bf16 on one GPU: fused vs unfused, eager and torch.compile (regional)."""
-    config = dict(CONFIGS["klein-9b"])
+    """A full-size model (default klein-9B) in bf16 on one GPU: fused vs unfused, eager and torch.compile (regional)."""
+    family, variant = resolve_model(args.models[0])
+    config = family.config(variant)
     if args.smoke:
-        config.update(num_layers=1, num_single_layers=1)
+        config = family.reduced(config, layers=1, single_layers=1, head_dim=config.get("attention_head_dim"))
     with torch.device("cuda"), inspect.default_dtype(torch.bfloat16):
-        fused = Flux2Transformer2DModel(**config).eval()
+        fused = model_class(family)(**config).eval()
     with torch.no_grad():
         for p in fused.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5) if p.dim() > 1 else p.normal_(1.0, 0.1)
     unfused = surgery.unfuse(copy.deepcopy(fused))
-    kw = example_inputs(config, image_tokens=4096, text_tokens=512, dtype=torch.bfloat16, device="cuda")
+    kw = family.example_inputs(config, image_tokens=4096, text_tokens=512, dtype=torch.bfloat16, device="cuda")
     rows = []
     for mode in ("eager", "compile"):
         if mode == "compile":
@@ -213,8 +223,8 @@ def cuda_full_size(args) -> list[dict]:
         started = time.perf_counter()
         t = interleaved({"fused": fused, "unfused": unfused}, kw, args.repeats, max(args.warmup, 2), "cuda")
         with torch.no_grad():
-            error = rel_err(unfused(**kw).sample, fused(**kw).sample)
-        rows.append({"model": "klein-9b full size", "dtype": "bfloat16", "mode": mode, "tokens": 4608,
+            error = rel_err(unfused(**kw, return_dict=False)[0], fused(**kw, return_dict=False)[0])
+        rows.append({"model": f"{args.models[0]} full size", "dtype": "bfloat16", "mode": mode, "tokens": 4608,
                      "fused ms": t["fused"] * 1e3, "unfused ms": t["unfused"] * 1e3,
                      "unfused / fused": t["unfused"] / t["fused"], "max rel err": error,
                      "section s": time.perf_counter() - started,
@@ -225,6 +235,9 @@ def cuda_full_size(args) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", dest="models", nargs="+", default=None,
+                        help="models to measure (default: flux2-klein-4b flux2-klein-9b on CPU, flux2-klein-9b on CUDA; "
+                        "the first one is the one sharded)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat: checks the script runs")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per model (default 3; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 1; smoke 0)")
@@ -238,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args.image_tokens = args.image_tokens or (16 if args.smoke else 128)
     args.text_tokens = args.text_tokens or (8 if args.smoke else 32)
     args.worlds = args.worlds or ([1, 2] if args.smoke else [1, 2, 4])
+    args.models = args.models or (["flux2-klein-9b"] if args.device == "cuda" else ["flux2-klein-4b", "flux2-klein-9b"])
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
 
@@ -247,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("tensor parallel (CPU, gloo)", tensor_parallel_cpu), ("memory per rank on paper", on_paper)]
     if args.device == "cuda":
         sections = [("single device, CUDA, full size", cuda_full_size), ("unfuse cost", unfuse_cost)]
-    markdown = [f"# FLUX.2 benchmarks ({results['machine']['date']})", "", _markdown([results["machine"]])]
+    markdown = [f"# {', '.join(args.models)} benchmarks ({results['machine']['date']})", "", _markdown([results["machine"]])]
     for title, section in sections:
         started = time.perf_counter()
         rows = section(args)
@@ -256,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         markdown += ["", f"## {title}", "", _markdown(rows)]
 
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"flux2-{args.device}{'-smoke' if args.smoke else ''}"
+    prefix = "flux2" if args.models[0].startswith("flux2") else args.models[0]
+    stem = f"{prefix}-{args.device}{'-smoke' if args.smoke else ''}"
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / f"{stem}.md").write_text("\n".join(markdown) + "\n")
     print(f"\nwrote {args.out / stem}.json and .md")
