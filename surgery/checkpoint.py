@@ -276,8 +276,8 @@ def check_tensors(reader: Reader, expected: dict[str, tuple[tuple[int, ...], tor
             f"'{folder}' holds {len(extra)} tensor(s) the model has no place for, first {extra[0]!r} (in "
             f"'{reader.files[extra[0]].name}'): a checkpoint of another model or config?"
         )
-    infos = {name: reader.info(name) for name in expected}
-    for name, (shape, dtype) in expected.items():
+    infos = {name: reader.info(name) for name in sorted(expected)}
+    for name, (shape, dtype) in sorted(expected.items()):
         info, file = infos[name], reader.files[name]
         if info.shape != shape:
             raise SurgeryError(
@@ -291,7 +291,7 @@ def check_tensors(reader: Reader, expected: dict[str, tuple[tuple[int, ...], tor
                 f"'{file}': tensor {name!r} is {info.torch_dtype}, the model's is floating point ({dtype}). "
                 "Casting would not give its weights back: is this the right checkpoint?"
             )
-    groups = list(siblings) if mixed_dtypes else [list(expected)]
+    groups = list(siblings) if mixed_dtypes else [sorted(expected)]
     for group in groups:
         counts = Counter(infos[name].dtype for name in group)
         if len(counts) > 1:
@@ -368,6 +368,15 @@ def write_chunk(out, chunk: torch.Tensor) -> None:
 
 def write_safetensors(path: Path, reader: Reader, planned: list[Planned], metadata: dict[str, str]) -> None:
     """A safetensors file whose tensors are read block by block from `reader` (the header first: sizes are known)."""
+    try:
+        _write_safetensors(path, reader, planned, metadata)
+    except OSError as error:
+        if error.filename is None:  # a failed write() names no file
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
+
+
+def _write_safetensors(path: Path, reader: Reader, planned: list[Planned], metadata: dict[str, str]) -> None:
     with open(path, "wb") as out:
         out.write(_header(planned, metadata))
         for p in planned:
@@ -394,15 +403,26 @@ def shard_plan(planned: list[Planned], max_shard_size: int | str, variant: str |
     weights = add_variant(WEIGHTS, variant)
     pattern = weights.replace(".safetensors", "{suffix}.safetensors")  # as ModelMixin.save_pretrained builds it
     metas = {p.name: torch.empty(p.info.shape, dtype=p.info.torch_dtype, device="meta") for p in planned}
-    try:
-        split = split_torch_state_dict_into_shards(metas, max_shard_size=max_shard_size, filename_pattern=pattern)
-    except ValueError as error:
-        raise SurgeryError(f"max_shard_size={max_shard_size!r}: {error}") from None
+    split = split_torch_state_dict_into_shards(metas, max_shard_size=shard_bytes(max_shard_size),
+                                               filename_pattern=pattern)
     by_name = {p.name: p for p in planned}
     files = {file: [by_name[name] for name in names] for file, names in split.filename_to_tensors.items()}
     if not split.is_sharded:
         return files, None
     return files, {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+
+
+def shard_bytes(max_shard_size: int | str) -> int:
+    """`max_shard_size` in bytes, parsed as huggingface_hub parses it ("5GB" = 5e9, "60KB"); refused if not positive."""
+    from huggingface_hub.serialization._base import parse_size_to_int  # what split_torch_state_dict_into_shards uses
+
+    try:
+        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(str(max_shard_size))
+    except ValueError as error:
+        raise SurgeryError(f"max_shard_size {max_shard_size!r}: {error}") from None
+    if size < 1:
+        raise SurgeryError(f"max_shard_size {max_shard_size!r} is not positive: give a size such as '5GB'.")
+    return size
 
 
 def owns(name: str) -> bool:
@@ -485,6 +505,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
 
     if to not in ("unfused", "fused"):
         raise SurgeryError(f"surgery.convert: to={to!r}; use 'unfused' or 'fused'.")
+    shard_bytes(max_shard_size)
     folder = resolve_checkpoint(src, cache_dir)
     target = _destination(dst, folder, overwrite)
     model = unfuse(model_on_meta(folder))
