@@ -241,7 +241,10 @@ def layout_of(keys: set[str], slices: list[Slice]) -> str:
     )
 
 
-def expected_tensors(model: nn.Module, slices: list[Slice], layout: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+Spec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
+
+
+def expected_tensors(model: nn.Module, slices: list[Slice], layout: str) -> dict[str, Spec]:
     """Checkpoint key -> (shape, dtype) that a `layout` checkpoint of the unfused `model` (on meta) must hold."""
     tensors = dict(model.named_parameters())  # not state_dict(): its hooks may give the fused layout already
     for owner, module in model.named_modules():
@@ -258,7 +261,7 @@ def expected_tensors(model: nn.Module, slices: list[Slice], layout: str) -> dict
     return fused
 
 
-def check_tensors(reader: Reader, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], *,
+def check_tensors(reader: Reader, expected: dict[str, Spec], *,
                   mixed_dtypes: bool, siblings: list[list[str]] = ()) -> dict[str, TensorInfo]:
     """Every tensor of `reader` against `expected`: names, shapes, floating or not, and dtypes that agree.
 
@@ -479,7 +482,8 @@ def _plan(reader: Reader, infos: dict[str, TensorInfo], slices: list[Slice], to:
             group = by_fused[by_unfused[name].fused]
             if group[0].fused not in emitted:
                 emitted.add(group[0].fused)
-                planned.append(Planned(group[0].fused, TensorInfo(info.dtype, fused_shape(infos[group[0].unfused].shape, group)),
+                shape = fused_shape(infos[group[0].unfused].shape, group)
+                planned.append(Planned(group[0].fused, TensorInfo(info.dtype, shape),
                                        tuple((s.unfused, None) for s in group), group[0].dim))
         else:
             planned.append(Planned(name, info, ((name, None),)))

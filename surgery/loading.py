@@ -63,7 +63,8 @@ def load_tensor_parallel(
     Files are picked as diffusers picks them (index, else `diffusion_pytorch_model.safetensors`; `variant` as in
     `from_pretrained`), and every tensor's name, shape and dtype is checked before any is read: a checkpoint mixing
     dtypes is cast only with an explicit `dtype`, a non-floating tensor never. Replicated tensors are read whole.
-    The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise, on the mesh's device. Peak host memory is about this rank's shard plus the largest tensor it reads.
+    The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise, on the mesh's device. Peak host memory
+    is about this rank's shard plus the largest tensor it reads.
     """
     from tqdm.auto import tqdm
 

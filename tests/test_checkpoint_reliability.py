@@ -232,10 +232,12 @@ class OldCheckpointInDestination(Workspace):
         self.assert_refused_untouched("already holds a checkpoint .*pass overwrite=True",
                                       surgery.convert_checkpoint, unfused_checkpoint(), self.dst, to="fused")
 
-    @parameterized.expand([("one_file", "10GB"), ("sharded", "200KB")])
-    def test_overwrite_replaces_it_whole(self, _, max_shard_size):
-        surgery.convert_checkpoint(unfused_checkpoint(), self.dst, to="fused", overwrite=True,
-                                   max_shard_size=max_shard_size)
+    @parameterized.expand([("one_file", "10GB", True), ("sharded", "200KB", True),
+                           ("two_renames", "200KB", False)])  # where renameat2 is missing: rename old away, new in
+    def test_overwrite_replaces_it_whole(self, _, max_shard_size, renameat2):
+        with mock.patch("surgery.atomic._renameat2", return_value=False) if not renameat2 else contextlib.nullcontext():
+            surgery.convert_checkpoint(unfused_checkpoint(), self.dst, to="fused", overwrite=True,
+                                       max_shard_size=max_shard_size)
         written = {p.name for p in self.dst.glob("diffusion_pytorch_model*")}
         fresh = surgery.convert_checkpoint(unfused_checkpoint(), self.ws / "fresh", to="fused",
                                            max_shard_size=max_shard_size)
@@ -463,10 +465,11 @@ class ShardedConversion(Workspace):
     """diffusers' sharded layout: names, index, bitwise round trip, stock from_pretrained."""
 
     def test_round_trip_through_shards(self):
-        unfused, fused = self.ws / "U", self.ws / "F"
-        surgery.convert_checkpoint(self.src, unfused, max_shard_size="100KB")
+        source, unfused, fused = self.ws / "S", self.ws / "U", self.ws / "F"
+        build(small_config(CONFIG), SEED).save_pretrained(source, max_shard_size="120KB")  # sharded by diffusers
+        surgery.convert_checkpoint(source, unfused, max_shard_size="100KB")
         surgery.convert_checkpoint(unfused, fused, to="fused", max_shard_size="150KB")
-        for folder in (unfused, fused):
+        for folder in (source, unfused, fused):
             index = json.loads((folder / INDEX).read_text())
             shards = sorted(p.name for p in folder.glob("*.safetensors"))
             count = len(shards)
