@@ -67,12 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser(
         "convert",
         help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
-        description="Reads SRC (a diffusers model folder, a pipeline folder or a cached repo id) and writes DST with "
-        "the same config.json and one safetensors file in the other layout. Memory: about one tensor.",
+        description="Reads SRC (a diffusers model folder, a pipeline folder or a cached repo id 'org/name') and writes "
+        "DST with the same config.json and the weights in the other layout, in diffusers' sharded layout (shards of "
+        "at most --max-shard-size plus an index, or one file). Every tensor is checked against config.json first; "
+        "DST is written into a temporary sibling folder and swapped in when complete. Memory: a few row blocks.",
     )
     convert.add_argument("src")
     convert.add_argument("dst")
     convert.add_argument("--to", choices=["unfused", "fused"], default="unfused")
+    convert.add_argument("--max-shard-size", default="10GB",
+                         help="largest shard, as in save_pretrained (default 10GB, diffusers' default)")
+    convert.add_argument("--variant", help="read and write diffusion_pytorch_model.<VARIANT>.safetensors (e.g. fp16)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a checkpoint already in DST (other files there are kept)")
     return parser
 
 
@@ -128,10 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert":
             from .checkpoint import convert_checkpoint
 
-            print(f"wrote {convert_checkpoint(args.src, args.dst, to=args.to)}")
+            written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
+                                         max_shard_size=args.max_shard_size, variant=args.variant)
+            print(f"wrote {written}")
             return 0
-    except SurgeryError as error:
-        parser.exit(1, f"surgery {args.command}: {error}\n")
+    except (SurgeryError, OSError) as error:  # OSError: anything the checks could not foresee (a disk gone)
+        parser.exit(1, f"surgery {args.command}: {' '.join(str(error).split())}\n")
+    except KeyboardInterrupt:
+        if args.command != "convert":
+            raise
+        parser.exit(130, f"surgery convert: interrupted; '{args.dst}' is as it was.\n")
     return 2
 
 

@@ -9,10 +9,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from .checkpoint import Reader, TensorInfo, layout_of, model_on_meta, resolve_checkpoint
+from .checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from .checks import SurgeryError
 from .rewrite import unfuse
-from .slicing import Slice, fused_shape, group_by_fused
+from .slicing import Slice
 from .state_dict import key_map
 from .tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
 
@@ -45,38 +45,6 @@ def _source_index(
     return tuple(index)
 
 
-def _expected_shapes(model: nn.Module, slices: list[Slice], layout: str) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> the shape it must have, from the unfused meta model."""
-    unfused = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if layout == "unfused":
-        return unfused
-    shapes = {name: shape for name, shape in unfused.items() if name not in {s.unfused for s in slices}}
-    for fused, group in group_by_fused(slices):
-        shapes[fused] = fused_shape(unfused[group[0].unfused], group)
-    return shapes
-
-
-def _check_keys(reader: Reader, expected: dict[str, tuple[int, ...]], folder) -> dict[str, TensorInfo]:
-    present = set(reader.files)
-    missing = sorted(set(expected) - present)
-    if missing:
-        raise SurgeryError(f"'{folder}' lacks {len(missing)} tensor(s) the model needs, first {missing[0]!r}.")
-    extra = sorted(present - set(expected))
-    if extra:
-        raise SurgeryError(
-            f"'{folder}' holds {len(extra)} tensor(s) the model has no place for, first {extra[0]!r}: a checkpoint "
-            "of another model or config?"
-        )
-    infos = {name: reader.info(name) for name in expected}
-    for name, shape in expected.items():
-        if infos[name].shape != shape:
-            raise SurgeryError(
-                f"'{folder}': tensor {name!r} has shape {infos[name].shape}, the model needs {shape}. "
-                "Does config.json match the weights?"
-            )
-    return infos
-
-
 def load_tensor_parallel(
     model: type | nn.Module | None,
     checkpoint: str | os.PathLike,
@@ -84,6 +52,7 @@ def load_tensor_parallel(
     *,
     dtype: torch.dtype | None = None,
     cache_dir: str | os.PathLike | None = None,
+    variant: str | None = None,
     progress: bool = True,
 ) -> nn.Module:
     """Build the model on meta, unfuse it, and read only this rank's slice of each tensor from `checkpoint`.
@@ -91,8 +60,11 @@ def load_tensor_parallel(
     `model`: a diffusers model class (None: the class named in config.json), or a module built on the meta device.
     `checkpoint`: a diffusers model folder, a pipeline folder (`transformer/`), or a repo id in the local Hugging
     Face cache; safetensors, single file or sharded with an index, in the fused (diffusers) or unfused layout.
-    Replicated tensors are read whole. The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise,
-    on the mesh's device. Peak host memory is about this rank's shard plus the largest tensor it reads.
+    Files are picked as diffusers picks them (index, else `diffusion_pytorch_model.safetensors`; `variant` as in
+    `from_pretrained`), and every tensor's name, shape and dtype is checked before any is read: a checkpoint mixing
+    dtypes is cast only with an explicit `dtype`, a non-floating tensor never. Replicated tensors are read whole.
+    The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise, on the mesh's device. Peak host memory
+    is about this rank's shard plus the largest tensor it reads.
     """
     from tqdm.auto import tqdm
 
@@ -114,9 +86,9 @@ def load_tensor_parallel(
     if mesh.device_type != "cpu":
         device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
-    with Reader(folder) as reader:
+    with Reader(folder, variant) as reader:
         layout = layout_of(set(reader.files), slices)
-        _check_keys(reader, _expected_shapes(model, slices, layout), folder)
+        check_tensors(reader, expected_tensors(model, slices, layout), mixed_dtypes=dtype is not None)
         sources = {s.unfused: s for s in slices} if layout == "fused" else {}
         names = [name for name, _ in model.named_parameters()]
         for name in tqdm(names, desc=f"loading {folder.name} ({world} ranks)", disable=not progress or rank != 0):
