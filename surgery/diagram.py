@@ -293,21 +293,24 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
         leaf = modules.get(path)
         leaf_kind = _module_kind(leaf) if leaf is not None and path else None
 
-        if "surgery_call" in custom or leaf_kind:  # one node for all the ops of a call or of a leaf module
-            key = custom.get("surgery_call") or f"module:{path}"
-            node = nodes.get(key)
-            if node is None:
-                kind = custom.get("surgery_kind") or leaf_kind
-                node = new(kind, path if leaf_kind else kind, key=key)
-                node.module = path if leaf_kind else path
-                if leaf_kind:
-                    _describe_module(node, leaf, path, planned, slice_notes)
-        elif namespace in _COLLECTIVE_NAMESPACES and op != "wait_tensor":
+        group = custom.get("surgery_call") or (f"module:{path}" if leaf_kind else None)
+        if group and op in _PASS and feeding and nodes[feeding[0]].kind == "collective":
+            group = None  # the views after a collective in a Linear's output hook belong to the collective
+        if namespace in _COLLECTIVE_NAMESPACES and op != "wait_tensor":  # also inside a Linear's output hook
             reduce_op = next((a for a in fx_node.args if isinstance(a, str)), "")
             node = new("collective", f"{op} ({reduce_op})" if reduce_op else op)
             node.module = path
             value = fx_node.meta.get("val")
             node.bytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+        elif group:  # one node for all the ops of a call or of a leaf module
+            key = group
+            node = nodes.get(key)
+            if node is None:
+                kind = custom.get("surgery_kind") or leaf_kind
+                node = new(kind, path if leaf_kind else kind, key=key)
+                node.module = path
+                if leaf_kind:
+                    _describe_module(node, leaf, path, planned, slice_notes)
         elif op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or (
             op in _COMBINE and len(feeding) > 1 and all(direct.get(a.name) for a in data)
         ):
@@ -429,6 +432,8 @@ def forms(model: nn.Module, inputs: dict, module: str | None = None, tp: int | N
     base = meta_copy(model)
     inputs = _to_meta(inputs)
     path = module if module is not None else default_module(base)
+    if path not in dict(base.named_modules()):
+        raise SurgeryError(f"surgery.diagram: '{type(model).__name__}' has no submodule '{path}'.")
     graphs = []
 
     def draw(model_form: nn.Module, title: str) -> BlockGraph:

@@ -160,6 +160,21 @@ def explorer_files(graphs: list[BlockGraph], out_dir: str | os.PathLike, name: s
     return {"graphs": graphs_path, "node_data": paths}
 
 
+def serve_files(files: dict[str, Any], host: str = "127.0.0.1", port: int = 8080, open_browser: bool = True) -> None:
+    """Start Model Explorer's local server on the files `explorer_files` wrote (blocks until interrupted)."""
+    model_explorer = _model_explorer()
+    config = model_explorer.config()
+    # The web app reads a local `.json` path as a TF.js model, so the graphs go in the way
+    # `ModelExplorerConfig.add_model_from_pytorch` puts converted graphs: served from memory at `graphs://name/index`.
+    with open(files["graphs"]) as f:
+        config.graphs_list.append(f.read())
+    name = os.path.basename(files["graphs"]).removesuffix(".json")
+    config.model_sources.append({"url": f"graphs://{name}/{len(config.graphs_list) - 1}"})
+    for path in files["node_data"].values():
+        config.add_node_data_from_path(path)
+    model_explorer.visualize_from_config(config, host=host, port=port, no_open_in_browser=not open_browser)
+
+
 def explore(model: nn.Module, inputs: dict, module: str | None = None, tp: int | None = None,
             out_dir: str | os.PathLike = "model_explorer", serve: bool = True, host: str = "127.0.0.1",
             port: int = 8080) -> dict[str, Any]:
@@ -170,10 +185,5 @@ def explore(model: nn.Module, inputs: dict, module: str | None = None, tp: int |
     graphs = forms(model, inputs, module=module, tp=tp)
     files = explorer_files(graphs, out_dir)
     if serve:
-        import model_explorer
-
-        model_explorer.visualize(
-            model_paths=files["graphs"], host=host, port=port,
-            node_data=[{"name": name, "node_data_path": path} for name, path in files["node_data"].items()],
-        )
+        serve_files(files, host=host, port=port)
     return files
