@@ -252,7 +252,6 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
     nodes: dict[str, Node] = {}
     edges: dict[tuple[str, str], Edge] = {}
     source: dict[str, str | None] = {}  # fx node -> the reduced node whose value it carries
-    direct: dict[str, bool] = {}  # fx node -> reached from a reduced node through views and casts only
     counter = {"n": 0}
 
     def new(kind: str, label: str, key: str | None = None) -> Node:
@@ -273,7 +272,7 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
             node = new("input", name, key=f"input:{name}")
             node.shape = _shape_text(fx_node.meta.get("val"))
             node.fx.append(fx_node.name)
-            source[fx_node.name], direct[fx_node.name] = node.id, False
+            source[fx_node.name] = node.id
             continue
         if fx_node.op == "output":
             node = new("output", "output", key="output")
@@ -311,24 +310,57 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
                 node.module = path
                 if leaf_kind:
                     _describe_module(node, leaf, path, planned, slice_notes)
-        elif op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or (
-            op in _COMBINE and len(feeding) > 1 and all(direct.get(a.name) for a in data)
-        ):
+        elif op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or (op in _COMBINE and _joins(fx_node, data, feeding, nodes)):
             kind = "activation" if op in _ACTIVATIONS else "norm" if op in _NORMS else "join"
             node = new(kind, op)
             node.module = path
-        else:  # looked through: carries its first input's reduced node
-            source[fx_node.name] = feeding[0] if feeding else None
-            direct[fx_node.name] = op in _PASS and bool(data) and all(direct.get(a.name) for a in data)
+        else:  # looked through: carries the reduced node of its main input
+            source[fx_node.name] = _main_source(fx_node, data, source, nodes)
             continue
         connect(node, data)
         node.fx.append(fx_node.name)
         node.shape = _shape_text(fx_node.meta.get("val")) or node.shape
-        source[fx_node.name], direct[fx_node.name] = node.id, True
+        source[fx_node.name] = node.id
 
+    # Dead ends (a modulation split whose parts are only looked through) go, then the inputs left unconnected.
+    while True:
+        feeds = {e.src for e in edges.values()}
+        dead = [n for n in nodes if nodes[n].kind not in ("input", "output") and n not in feeds]
+        if not dead:
+            break
+        for n in dead:
+            del nodes[n]
+        edges = {k: e for k, e in edges.items() if e.dst in nodes}
     used = {e.src for e in edges.values()} | {e.dst for e in edges.values()}
     kept = [n for n in nodes.values() if n.kind not in ("input", "output") or n.id in used]
     return BlockGraph(title, kept, list(edges.values()), traced=traced, module=module)
+
+
+def _joins(fx_node: torch.fx.Node, data: list, feeding: list, nodes: dict) -> bool:
+    """An elementwise op joins two computed branches (SwiGLU's product, a residual or output sum): at least two
+    computed inputs, none broadcast. Scaling by side inputs (modulation, gates, rotary tables) is looked through."""
+    value = fx_node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or sum(nodes[s].kind != "input" for s in feeding) < 2:
+        return False
+    return all(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == value.shape for a in data)
+
+
+def _main_source(fx_node: torch.fx.Node, data: list, source: dict, nodes: dict) -> str | None:
+    """Which input an op that is looked through carries on: a computed value before a block input (the residual
+    stream, not the skip), and one of the output's own shape before a broadcast side input (modulation, rotary)."""
+    value = fx_node.meta.get("val")
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    candidates = [(source[a.name], a) for a in data if source.get(a.name)]
+    if not candidates:
+        return None
+
+    def rank(candidate):
+        src, arg = candidate
+        arg_value = arg.meta.get("val")
+        same = isinstance(arg_value, torch.Tensor) and tuple(arg_value.shape) == shape
+        return (nodes[src].kind == "input", not same)
+
+    return min(candidates, key=rank)[0]
 
 
 def _describe_module(node: Node, leaf: nn.Module, path: str, planned: dict, slice_notes: dict) -> None:
