@@ -63,6 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_arguments(inspect, names)
     inspect.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
+    inspect.add_argument("--svg", metavar="OUT.svg",
+                         help="also draw one block's graph, fused -> unfused (-> one rank's with --tp), with Graphviz")
+    inspect.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
+    inspect.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
+
+    explore = commands.add_parser(
+        "explore",
+        help="open Google's Model Explorer on one block's graphs, with the TP plan's overlays",
+        description="Traces one block (fused, unfused and, with --tp, rank 0's sharded graph) on the meta device, "
+        "writes Model Explorer's graph JSON and node-data overlays (placement, bytes per rank, all-reduce bytes) to "
+        "--out, and serves them on --host:--port. Needs the optional extra: pip install ai-edge-model-explorer.",
+    )
+    _model_arguments(explore, names)
+    explore.add_argument("--tp", type=_positive, help="add rank 0's local graph at this TP size")
+    explore.add_argument("--module", help="the module to trace (default: the fused one with most slices)")
+    explore.add_argument("--out", default="model_explorer", help="folder for the graph and overlay files")
+    explore.add_argument("--host", default="127.0.0.1")
+    explore.add_argument("--port", type=_positive, default=8080)
+    explore.add_argument("--no-serve", action="store_true", help="only write the files")
 
     convert = commands.add_parser(
         "convert",
@@ -127,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "inspect" and not args.svg and (args.tp or args.module):
+        parser.error("--tp and --module draw a diagram: add --svg OUT.svg")
     try:
+        if args.command == "inspect" and args.svg:
+            return _inspect_svg(args)
+        if args.command == "explore":
+            return _explore(args)
         if args.command in ("plan", "inspect"):
             return _plan_or_inspect(args)
         if args.command == "demo":
@@ -184,6 +209,43 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1, default=str))
     else:
         print(render.plan_text(name, result))
+    return 0
+
+
+def _block_forms(args: argparse.Namespace):
+    """The model of --model/--config on meta (bf16), and its example inputs at 1024x1024 (4096 image + 512 text)."""
+    import torch
+
+    from .inspect import model_on_meta
+
+    name, family, config = _config(args)
+    model = model_on_meta(family, config, torch.bfloat16)
+    inputs = family.example_inputs(config, image_tokens=4096, text_tokens=512, dtype=torch.bfloat16, device="meta")
+    return name, model, inputs
+
+
+def _inspect_svg(args: argparse.Namespace) -> int:
+    from . import diagram
+    from .checks import SurgeryError
+
+    name, model, inputs = _block_forms(args)
+    graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
+    if not diagram.dot_available():
+        print(diagram.text(graphs))
+        raise SurgeryError(f"wrote no {args.svg}: {diagram.HOW_TO_GET_DOT}")
+    diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)")
+    print(f"wrote {args.svg}: " + "; ".join(
+        f"{row['graph']}: {row['nodes']} nodes" for row in diagram.summary(graphs)))
+    return 0
+
+
+def _explore(args: argparse.Namespace) -> int:
+    from .explore import explore
+
+    name, model, inputs = _block_forms(args)
+    files = explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=not args.no_serve,
+                    host=args.host, port=args.port)
+    print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})")
     return 0
 
 

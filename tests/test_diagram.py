@@ -1,0 +1,281 @@
+"""Diagrams of block graphs (fused, unfused, one rank's), their SVG and text forms, Model Explorer's files, the CLI."""
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+import unittest
+import xml.etree.ElementTree as ET
+from unittest import mock
+
+import torch
+from diffusers import Flux2Transformer2DModel
+
+import surgery
+from flux2_testing import build, small_config
+from rewrites.flux2 import CONFIGS, example_inputs
+from surgery import diagram
+from surgery.cli import main
+from surgery.inspect import default_dtype
+
+try:
+    import model_explorer  # noqa: F401
+except ImportError:
+    model_explorer = None
+
+
+def projections(graph):
+    return {n.label: n for n in graph.nodes if n.kind == "projection"}
+
+
+# klein-9B at full width (32 heads x 128, hidden 4096, MLP 12288) with one block of each kind: per-block graphs and
+# per-rank shapes are those of the real model, at a fraction of the planning time.
+KLEIN9B_WIDTH = dict(CONFIGS["klein-9b"], num_layers=1, num_single_layers=1)
+
+
+def klein9b():
+    with torch.device("meta"), default_dtype(torch.bfloat16):
+        model = Flux2Transformer2DModel(**KLEIN9B_WIDTH)
+    inputs = example_inputs(KLEIN9B_WIDTH, image_tokens=256, text_tokens=64, dtype=torch.bfloat16, device="meta")
+    return model, inputs
+
+
+_FORMS = {}
+
+
+def klein9b_forms(module=None):
+    """`diagram.forms` of the klein-9B-width model at TP=8, computed once per module for the whole file."""
+    if module not in _FORMS:
+        model, inputs = klein9b()
+        _FORMS[module] = (model, inputs, dict(model.named_parameters()),
+                          diagram.forms(model, inputs, module=module, tp=8))
+    return _FORMS[module]
+
+
+class Reduction(unittest.TestCase):
+    """A real (CPU) small block: what each form reduces to."""
+
+    @classmethod
+    def setUpClass(cls):
+        model = build(small_config("tp_wide"))  # 8 heads x 8, dim 64, mlp hidden 160
+        cls.attn = model.single_transformer_blocks[0].attn
+        cls.args = (torch.randn(1, 6, 64),)
+        cls.kwargs = {"image_rotary_emb": (torch.randn(6, 8), torch.randn(6, 8))}
+        cls.fused = diagram.block_graph(cls.attn, cls.args, cls.kwargs, title="fused")
+        cls.unfused_attn = surgery.unfuse(__import__("copy").deepcopy(cls.attn))
+        cls.unfused = diagram.block_graph(cls.unfused_attn, cls.args, cls.kwargs, title="unfused")
+
+    def test_fused_block(self):
+        g = self.fused
+        self.assertEqual(sorted(projections(g)), ["to_out", "to_qkv_mlp_proj"])
+        self.assertTrue(all(p.sharding == "fused" for p in projections(g).values()))
+        self.assertEqual(projections(g)["to_qkv_mlp_proj"].storage,
+                         "fused: to_q, to_k, to_v, mlp.linear_gate, mlp.linear_up (5 row views)")
+        self.assertIn("cat", [n.label for n in g.nodes if n.kind == "join"])
+        self.assertEqual((g.count("attention"), g.count("norm"), g.count("activation"), g.count("collective")),
+                         (1, 2, 1, 0))
+        # the fused output projection reads the concatenation of attention and MLP: [1, 6, 64 + 160]
+        cat = g.by_label("cat")
+        self.assertEqual([e.shape for e in g.edges if e.src == cat.id], ["1×6×224"])
+
+    def test_unfused_block(self):
+        g = self.unfused
+        p = projections(g)
+        self.assertEqual(sorted(p), sorted(["to_q", "to_k", "to_v", "to_out", "mlp.linear_gate", "mlp.linear_up",
+                                            "mlp.linear_out"]))
+        self.assertEqual({k: v.sharding for k, v in p.items()},
+                         {"to_q": "colwise", "to_k": "colwise", "to_v": "colwise", "mlp.linear_gate": "colwise",
+                          "mlp.linear_up": "colwise", "to_out": "rowwise", "mlp.linear_out": "rowwise"})
+        self.assertEqual(p["to_k"].storage, "view of to_qkv_mlp_proj rows 64:128")
+        self.assertEqual(p["mlp.linear_out"].storage, "copy of to_out columns 64:224")
+        self.assertNotIn("cat", [n.label for n in g.nodes])
+        # q, k, v, gate, up all read the block input; the two output projections meet in one add
+        inputs = [e.dst for e in g.edges if e.src == "input:arg[0]"]
+        self.assertEqual(sorted(inputs), sorted(f"module:{k}" for k in ("to_q", "to_k", "to_v", "mlp.linear_gate",
+                                                                         "mlp.linear_up")))
+        add = g.by_label("add")
+        self.assertEqual(sorted(e.src for e in g.edges if e.dst == add.id), ["module:mlp.linear_out", "module:to_out"])
+        self.assertEqual([e.dst for e in g.edges if e.src == add.id], ["output"])
+
+    def test_every_edge_joins_drawn_nodes(self):
+        for g in (self.fused, self.unfused):
+            ids = {n.id for n in g.nodes}
+            self.assertTrue(all(e.src in ids and e.dst in ids and e.shape for e in g.edges), g.title)
+
+    def test_text_fallback_without_dot(self):
+        out = io.StringIO()
+        with mock.patch("shutil.which", return_value=None), contextlib.redirect_stdout(out):
+            diagram.show([self.fused, self.unfused])
+        text = out.getvalue()
+        self.assertIn("apt-get install graphviz", text)
+        self.assertIn("view of to_qkv_mlp_proj rows 0:64", text)
+        with mock.patch("shutil.which", return_value=None), self.assertRaises(surgery.SurgeryError):
+            diagram.svg([self.fused])
+
+    @unittest.skipUnless(diagram.dot_available(), "Graphviz's dot is not installed")
+    def test_svg(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = diagram.write_svg([self.fused, self.unfused], os.path.join(tmp, "d.svg"), title="tp_wide")
+            self.assertEqual(os.listdir(tmp), ["d.svg"])
+            root = ET.parse(path).getroot()
+        texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text]
+        self.assertIn("fused", texts)
+        self.assertIn("mlp.linear_gate", texts)
+        self.assertIn("copy of to_out columns 0:64", texts)
+        self.assertIn("1×6×224", [t.strip() for t in texts])
+
+
+class Forms(unittest.TestCase):
+    """Full-size FLUX.2-klein-9B on meta: fused, unfused and rank 0 of 8, planned under the fake process group."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model, cls.inputs, cls.params, cls.single = klein9b_forms()
+        cls.double = klein9b_forms("transformer_blocks.0")[3]
+
+    def test_model_untouched(self):
+        self.assertEqual(dict(self.model.named_parameters()), self.params)
+        self.assertFalse(surgery.find_modules(self.model, fused=False))
+
+    def test_single_block_forms(self):
+        fused, unfused, rank = self.single
+        self.assertEqual(fused.title, "fused single_transformer_blocks.0.attn")
+        self.assertEqual([len(g.nodes) for g in self.single], [12, 15, 16])
+        self.assertEqual(projections(unfused)["to_q"].local, "4096 × 4096")
+        self.assertEqual(projections(rank)["to_q"].local, "512 × 4096")
+        self.assertEqual(projections(rank)["mlp.linear_out"].local, "4096 × 1536")
+        self.assertEqual(projections(rank)["to_out"].sharding, "rowwise")
+        (collective,) = [n for n in rank.nodes if n.kind == "collective"]
+        self.assertEqual(collective.label, "all_reduce (sum)")
+        self.assertEqual(collective.bytes, (256 + 64) * 4096 * 2)
+        add = rank.by_label("add")
+        self.assertIn((add.id, collective.id), [(e.src, e.dst) for e in rank.edges])
+        # the collective's traced node is the all_reduce op itself
+        fx = {n.name: n for n in rank.traced.graph.nodes}
+        self.assertEqual(fx[collective.fx[0]].target._opname, "all_reduce")
+
+    def test_double_block_all_reduces(self):
+        titles = [g.title for g in self.double]
+        self.assertEqual(titles, ["fused transformer_blocks.0", "unfused transformer_blocks.0",
+                                  "rank 0 of 8 (tensor parallel)"])
+        self.assertEqual(sorted(projections(self.double[0])["ff.linear_in"].storage.split(" (")[1:]),
+                         ["2 row views)"])
+        rank = self.double[2]
+        self.assertEqual(rank.count("collective"), 4)  # to_out, to_add_out, ff, ff_context
+        p = projections(rank)
+        self.assertEqual(p["attn.add_q_proj"].sharding, "colwise")
+        self.assertEqual(p["ff.linear_gate"].storage, "view of linear_in rows 0:12288")
+        self.assertEqual(p["ff.linear_gate"].local, "1536 × 4096")
+
+    def test_bad_module(self):
+        with self.assertRaisesRegex(surgery.SurgeryError, "has no submodule 'nope'"):
+            diagram.forms(self.model, self.inputs, module="nope")
+
+
+@unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
+class Explorer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from surgery import explore
+
+        cls.graphs = klein9b_forms()[3]
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.files = explore.explorer_files(cls.graphs, cls.tmp.name)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_graph_file(self):
+        with open(self.files["graphs"]) as f:
+            data = json.load(f)
+        graphs = data["graphCollections"][0]["graphs"]
+        self.assertEqual([g["id"] for g in graphs], [g.title for g in self.graphs])
+        for g in graphs:
+            ids = {n["id"] for n in g["nodes"]}
+            self.assertEqual(len(ids), len(g["nodes"]))
+            for n in g["nodes"]:
+                self.assertTrue(all(e["sourceNodeId"] in ids for e in n.get("incomingEdges", [])), n["id"])
+        rank = {n["id"]: n for n in graphs[2]["nodes"]}
+        self.assertEqual({n["namespace"] for n in rank.values() if n["label"] == "mm"},
+                         {"to_q", "to_k", "to_v", "to_out", "mlp/linear_gate", "mlp/linear_up", "mlp/linear_out"})
+
+    def overlay(self, name):
+        with open(self.files["node_data"][name]) as f:
+            return json.load(f)
+
+    def test_all_reduce_overlay_names_the_collective(self):
+        data = self.overlay("all-reduce bytes")
+        self.assertEqual([len(data[g.title]["results"]) for g in self.graphs], [0, 0, 1])
+        (node_id, result), = data["rank 0 of 8 (tensor parallel)"]["results"].items()
+        with open(self.files["graphs"]) as f:
+            rank = {n["id"]: n for n in json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]}
+        self.assertEqual(rank[node_id]["label"], "all_reduce")
+        self.assertEqual(result["value"], (256 + 64) * 4096 * 2)
+
+    def test_placement_and_bytes_overlays(self):
+        placement = self.overlay("placement")["rank 0 of 8 (tensor parallel)"]["results"]
+        sizes = self.overlay("bytes per rank")["rank 0 of 8 (tensor parallel)"]["results"]
+        with open(self.files["graphs"]) as f:
+            rank = {n["id"]: n for n in json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]}
+        by_layer = {rank[i]["namespace"]: r["value"] for i, r in placement.items()}
+        self.assertEqual(by_layer["to_q"], 0)  # colwise
+        self.assertEqual(by_layer["mlp/linear_out"], 1)  # rowwise
+        self.assertEqual(len(by_layer), 7)
+        size_by_layer = {rank[i]["namespace"]: r["value"] for i, r in sizes.items()}
+        self.assertEqual(size_by_layer["to_q"], 512 * 4096 * 2)
+        self.assertEqual(size_by_layer["norm_q"], 128 * 2)
+        fused = self.overlay("placement")["fused single_transformer_blocks.0.attn"]["results"]
+        self.assertEqual(sorted(r["value"] for r in fused.values()), [3, 3])  # both fused
+
+
+def run(*args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+class Commands(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.config = os.path.join(cls.tmp.name, "config.json")  # klein-4B width, one block of each kind
+        with open(cls.config, "w") as f:
+            json.dump(dict(CONFIGS["klein-4b"], num_layers=1, num_single_layers=1,
+                           _class_name="Flux2Transformer2DModel"), f)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    @unittest.skipUnless(diagram.dot_available(), "Graphviz's dot is not installed")
+    def test_inspect_svg(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "klein4b.svg")
+            code, out, err = run("inspect", "--config", self.config, "--svg", path, "--tp", "2")
+            self.assertEqual(code, 0, err)
+            ET.parse(path)
+        self.assertIn("rank 0 of 2 (tensor parallel): 16 nodes", out)
+
+    def test_bad_arguments(self):
+        code, _, err = run("inspect", "--tp", "2")
+        self.assertEqual(code, 2)
+        self.assertIn("add --svg OUT.svg", err.strip().splitlines()[-1])
+        code, _, err = run("inspect", "--config", self.config, "--svg", "/tmp/never.svg", "--module", "nope")
+        self.assertEqual((code, len(err.strip().splitlines())), (1, 1))
+        self.assertIn("has no submodule 'nope'", err)
+        self.assertFalse(os.path.exists("/tmp/never.svg"))
+
+    @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
+    def test_explore_files(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            code, out, err = run("explore", "--config", self.config, "--out", tmp, "--no-serve")
+            self.assertEqual(code, 0, err)
+            self.assertEqual(sorted(os.listdir(tmp)), sorted([
+                "block.json", "block.placement.nodedata.json", "block.bytes_per_rank.nodedata.json",
+                "block.all-reduce_bytes.nodedata.json"]))
