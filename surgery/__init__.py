@@ -9,10 +9,11 @@
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
 from .loading import load_tensor_parallel
-from .lora import fuse_lora_state_dict, unfuse_lora_state_dict
+from .lora import fuse_lora_state_dict, lora_target_modules, stock_lora_adapter, unfuse_lora_state_dict
 from .distributed import CollectiveCounter, run_on_cpu_ranks
 from .registry import Rewrite, register, register_tp_plan, registered, tp_plans
 from .rewrite import RewriteRecord, find_modules, fuse, last_report, unfuse
+from .saving import save_pretrained
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
 from .tensor_parallel import diffusers_tp_plan, planned_modules, tensor_parallel
@@ -32,6 +33,7 @@ __all__ = [
     "fuse_state_dict",
     "key_map",
     "last_report",
+    "lora_target_modules",
     "diffusers_tp_plan",
     "planned_modules",
     "register",
@@ -39,6 +41,8 @@ __all__ = [
     "registered",
     "rel_err",
     "run_on_cpu_ranks",
+    "save_pretrained",
+    "stock_lora_adapter",
     "tensor_parallel",
     "tp_plans",
     "unfuse",

@@ -111,6 +111,9 @@ def _rewrite(model: nn.Module, unfusing: bool) -> nn.Module:
     from .tensor_parallel import sync_diffusers_tp_plans  # imports this module
 
     sync_diffusers_tp_plans(root)
+    from . import diffusers_hooks  # imports this module
+
+    diffusers_hooks.install(root)
     return root
 
 

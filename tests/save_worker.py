@@ -1,0 +1,64 @@
+"""What each gloo rank runs for the save tests: write a tensor-parallel model, read it back with stock diffusers."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from diffusers import Flux2Transformer2DModel
+from torch.distributed.device_mesh import init_device_mesh
+
+import surgery
+from flux2_testing import build, small_config
+from load_worker import PeakMemory
+from surgery.inspect import local_bytes
+
+
+def _mismatched(folder: str, reference: torch.nn.Module) -> list[str]:
+    """Keys of `folder` (read by stock `from_pretrained`) that differ from `reference`'s, bitwise, in dtype or shape."""
+    loaded = Flux2Transformer2DModel.from_pretrained(folder, torch_dtype=reference.dtype)
+    got, want = loaded.state_dict(), reference.state_dict()
+    return sorted(set(got) ^ set(want)) + [
+        k for k, v in want.items() if k in got and (got[k].dtype != v.dtype or not torch.equal(got[k], v))
+    ]
+
+
+def round_trip(rank: int, world: int, root: str, name: str, seed: int, dtype_name: str) -> dict:
+    """Save a TP model (sharded in memory, then loaded sharded from that save) three ways; rank 0 compares."""
+    mesh = init_device_mesh("cpu", (world,))
+    dtype = getattr(torch, dtype_name)
+    fused = build(small_config(name), seed, dtype)
+    model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh, src_data_rank=None)
+    root = Path(root)
+    surgery.save_pretrained(model, root / "tp", max_shard_size="40KB")
+    model.save_pretrained(root / "tp-method", max_shard_size="40KB")  # diffusers' verb, every rank
+    loaded = surgery.load_tensor_parallel(None, root / "tp", mesh, progress=False)
+    surgery.save_pretrained(loaded, root / "tp-loaded")
+    dist.barrier()
+    result = {}
+    if rank == 0:
+        fused.save_pretrained(root / "stock", max_shard_size="40KB")
+        result = {key: _mismatched(str(root / key), fused) for key in ("tp", "tp-method", "tp-loaded")}
+        result["files"] = sorted(p.name for p in (root / "tp").iterdir())
+        result["stock_files"] = sorted(p.name for p in (root / "stock").iterdir())
+        result["index"] = (root / "tp" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+        result["stock_index"] = (root / "stock" / "diffusion_pytorch_model.safetensors.index.json").read_text()
+        result["leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+    return result
+
+
+def peak_memory(rank: int, world: int, root: str, name: str) -> dict:
+    """Peak owned memory of this rank during `surgery.save_pretrained` of a TP model, vs its shard and its largest tensor."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed buffers go back to the system
+    mesh = init_device_mesh("cpu", (world,))
+    model = surgery.tensor_parallel(surgery.unfuse(build(small_config(name), 0, torch.bfloat16)), mesh,
+                                    src_data_rank=None)
+    surgery.save_pretrained(model, Path(root) / "warmup")  # lazy imports and one-time allocations
+    with PeakMemory() as memory:
+        surgery.save_pretrained(model, Path(root) / "measured", max_shard_size="2MB")
+    fused = surgery.fuse(build(small_config(name), 0, torch.bfloat16).to("meta"))
+    return {"peak": memory.peak, "local_bytes": local_bytes(model),
+            "largest_tensor": max(p.nbytes for p in fused.parameters())}
