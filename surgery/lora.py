@@ -45,7 +45,14 @@ def _split(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> tuple
         if a_key not in state_dict or b_key not in state_dict:
             continue
         a, b = out.pop(a_key), out.pop(b_key)
-        if group[0].dim == 0 and b.shape[0] != group[-1].stop or group[0].dim == 1 and a.shape[1] != group[-1].stop:
+        width = b.shape[0] if group[0].dim == 0 else a.shape[1]
+        if width != group[-1].stop:
+            same_name = next((s for s in group if _module(s.unfused) == _module(fused)), None)
+            if same_name is not None and width == same_name.size:
+                raise SurgeryError(
+                    f"the adapter's '{_module(fused)}' factors already have the unfused module's width ({width}): "
+                    "it is already in the unfused layout; load it as it is."
+                )
             raise SurgeryError(
                 f"the adapter's {b_key if group[0].dim == 0 else a_key} has shape "
                 f"{tuple((b if group[0].dim == 0 else a).shape)}, but '{_module(fused)}' has {group[-1].stop} "
