@@ -16,6 +16,7 @@ checkpoint, FSDP2, PEFT and optimizers need. A model with no unfused module left
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -41,7 +42,7 @@ def install(model: nn.Module) -> None:
         if find_modules(module, fused=False):
             for name, method in _METHODS.items():
                 if hasattr(type(module), name):
-                    setattr(module, name, types.MethodType(method, module))
+                    setattr(module, name, types.MethodType(_shadowing(getattr(type(module), name), method), module))
         else:
             for name in _METHODS:
                 vars(module).pop(name, None)
@@ -49,6 +50,16 @@ def install(model: nn.Module) -> None:
         if rewrite.in_checkpoints and getattr(module, _HOOK_ATTR, None) is None:
             handle = module.register_load_state_dict_pre_hook(_split_fused_keys)
             object.__setattr__(module, _HOOK_ATTR, handle)
+
+
+def _shadowing(original, method):
+    """`method` under `original`'s name, docs and signature (diffusers' pipelines read it to pick keyword arguments)."""
+
+    @functools.wraps(original)
+    def shadow(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    return shadow
 
 
 def remove(model: nn.Module) -> None:

@@ -174,11 +174,15 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def _write_file(path: Path, entries: list[Entry], metadata: dict[str, str]) -> None:
-    """One safetensors file whose tensors are written piece by piece.
+    """One safetensors file whose tensors are written piece by piece, laid out as safetensors lays them out.
 
     By hand because safetensors' writers take whole tensors (and `save_file` copies them into one buffer first).
+    safetensors orders tensors by dtype (widest alignment first), then name; so does this, so that a file of one
+    dtype is byte for byte what `save_file` writes.
     """
     from .checkpoint import _safetensors_dtype
+
+    entries = sorted(entries, key=lambda e: (-torch.empty((), dtype=e[1]).element_size(), e[0]))
 
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0

@@ -62,3 +62,53 @@ def peak_memory(rank: int, world: int, root: str, name: str) -> dict:
     fused = surgery.fuse(build(small_config(name), 0, torch.bfloat16).to("meta"))
     return {"peak": memory.peak, "local_bytes": local_bytes(model),
             "largest_tensor": max(p.nbytes for p in fused.parameters())}
+
+
+def lora_checks(rank: int, world: int, root: str) -> dict:
+    """A stock LoRA merged before sharding gives the stock model's outputs; loading one after sharding is refused."""
+    from test_diffusers_lora import add_random_adapter, forward
+    from peft.utils import get_peft_model_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    config = small_config("tp_wide")
+    from flux2_testing import inputs, rel_err
+
+    kw = inputs(config, 0)
+    trained = add_random_adapter(build(config, 0), "a", 0)
+    adapter = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(trained, adapter_name="a").items()}
+    metadata = {f"transformer.{k}": v for k, v in trained.peft_config["a"].to_dict().items()}
+    stock = build(config, 0)
+    stock.load_lora_adapter(adapter, adapter_name="a", metadata=metadata)  # as lora_state_dict hands it over
+    model = surgery.unfuse(build(config, 0))
+    model.load_lora_adapter(adapter, adapter_name="a", metadata=metadata)
+    model.fuse_lora()
+    model.unload_lora()
+    surgery.tensor_parallel(model, mesh, src_data_rank=None)
+    result = {"lora_merged_before_sharding": rel_err(forward(model, kw), forward(stock, kw)),
+              "lora_vs_trained": rel_err(forward(stock, kw), forward(trained, kw))}
+    try:
+        model.load_lora_adapter(adapter, adapter_name="b")
+        result["lora_after_sharding_error"] = ""
+    except surgery.SurgeryError as e:
+        result["lora_after_sharding_error"] = str(e)
+    folder = Path(root) / "hub"
+    try:
+        model.save_pretrained(folder, push_to_hub=True)
+        result["push_to_hub_error"] = ""
+    except surgery.SurgeryError as e:
+        result["push_to_hub_error"] = str(e)
+    result["push_to_hub_folder"] = folder.exists()
+    return result
+
+
+def all_checks(rank: int, world: int, root: str) -> dict:
+    """Everything the TP save tests need, in one spawned job."""
+    result = {}
+    for dtype in ("float32", "bfloat16"):
+        folder = Path(root) / dtype
+        if rank == 0:
+            folder.mkdir()
+        dist.barrier()
+        result[dtype] = round_trip(rank, world, str(folder), "tp_wide", 0, dtype)
+    result.update(lora_checks(rank, world, root))
+    return result
