@@ -16,9 +16,7 @@ checkpoint, FSDP2, PEFT and optimizers need. A model with no unfused module left
 
 from __future__ import annotations
 
-import functools
 import inspect
-import types
 
 import torch
 import torch.nn as nn
@@ -40,9 +38,9 @@ def install(model: nn.Module) -> None:
         if not _is_diffusers_model(module):
             continue
         if find_modules(module, fused=False):
-            for name, method in _METHODS.items():
+            for name in _METHODS:
                 if hasattr(type(module), name):
-                    setattr(module, name, types.MethodType(_shadowing(getattr(type(module), name), method), module))
+                    setattr(module, name, _Shadow(module, name))
         else:
             for name in _METHODS:
                 vars(module).pop(name, None)
@@ -52,14 +50,27 @@ def install(model: nn.Module) -> None:
             object.__setattr__(module, _HOOK_ATTR, handle)
 
 
-def _shadowing(original, method):
-    """`method` under `original`'s name, docs and signature (diffusers' pipelines read it to pick keyword arguments)."""
+class _Shadow:
+    """The method `name` of `module`'s class, with surgery's version in its place: an instance attribute.
 
-    @functools.wraps(original)
-    def shadow(self, *args, **kwargs):
-        return method(self, *args, **kwargs)
+    It shows the class method's signature (diffusers' pipelines read it to pick keyword arguments), and a model that
+    holds it still pickles and deep-copies (the copy's method is bound to the copy).
+    """
 
-    return shadow
+    def __init__(self, module: nn.Module, name: str):
+        self.__self__ = module
+        self.__name__ = name
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(getattr(type(self.__self__), self.__name__).__get__(self.__self__))
+
+    @property
+    def __doc__(self) -> str | None:
+        return _METHODS[self.__name__].__doc__
+
+    def __call__(self, *args, **kwargs):
+        return _METHODS[self.__name__](self.__self__, *args, **kwargs)
 
 
 def remove(model: nn.Module) -> None:

@@ -33,7 +33,7 @@ from .checks import SurgeryError
 from .slicing import Slice, concat, fused_shape, group_by_fused
 
 # Column splits are joined in blocks of rows of about this many bytes.
-_BLOCK_BYTES = 64 << 20
+_BLOCK_BYTES = 4 << 20
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -120,12 +120,15 @@ class _ModelTensors:
 
 
 class _FileTensors:
-    """Full tensors in safetensors files (DCP's consolidated output), read one tensor or one block of rows at a time."""
+    """Full tensors in safetensors files (DCP's consolidated output), read one tensor or one block of rows at a time.
+
+    Each read opens its file and lets it go, so that no file stays mapped (a model's worth of files, one per tensor).
+    """
 
     def __init__(self, folder: Path, order: list[str]):
-        from .checkpoint import Reader, _DTYPES
+        from .checkpoint import _DTYPES, weight_files
 
-        self.reader = Reader(folder)
+        self.files = weight_files(folder)
         self.order = order
         self._dtypes = _DTYPES
 
@@ -133,11 +136,17 @@ class _FileTensors:
         return self.order
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        info = self.reader.info(name)
-        return self._dtypes[info.dtype], info.shape
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            piece = f.get_slice(name)
+            return self._dtypes[piece.get_dtype()], tuple(piece.get_shape())
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        return self.reader.read(name, None if rows is None else (rows,))
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
 # --- writing -------------------------------------------------------------------------------------------------------
@@ -310,9 +319,7 @@ def _save_sharded(model: nn.Module, folder: Path, tmp: Path, slices: list[Slice]
         dcp.save(state_dict, storage_writer=writer)
         del state_dict
         if rank == 0:
-            source = _FileTensors(tmp / "dcp", order)
-            with source.reader:
-                _write_checkpoint(tmp, _entries(source, slices), max_shard_size, variant)
+            _write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
             model.save_config(tmp)
             _replace(tmp, folder)

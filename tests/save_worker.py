@@ -50,18 +50,23 @@ def round_trip(rank: int, world: int, root: str, name: str, seed: int, dtype_nam
     return result
 
 
-def peak_memory(rank: int, world: int, root: str, name: str) -> dict:
-    """Peak owned memory of this rank during `surgery.save_pretrained` of a TP model, vs its shard and its largest tensor."""
+def peak_memory(rank: int, world: int, root: str) -> dict:
+    """Peak owned memory of this rank while `surgery.save_pretrained` writes a TP model (klein-4B-shaped, reduced
+    depth, bf16), with this rank's shard and the largest tensor for scale."""
+    from rewrites.flux2 import seeded_model
+    from surgery.demo import demo_config
+
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed buffers go back to the system
     mesh = init_device_mesh("cpu", (world,))
-    model = surgery.tensor_parallel(surgery.unfuse(build(small_config(name), 0, torch.bfloat16)), mesh,
-                                    src_data_rank=None)
-    surgery.save_pretrained(model, Path(root) / "warmup")  # lazy imports and one-time allocations
+    fused = seeded_model(demo_config("klein-4b"), 0, torch.bfloat16)
+    largest = max(p.nbytes for p in fused.parameters())
+    model = surgery.tensor_parallel(surgery.unfuse(fused), mesh, src_data_rank=None)
+    del fused
+    surgery.save_pretrained(model, Path(root) / "warmup", max_shard_size="100MB")  # lazy imports, one-time buffers
     with PeakMemory() as memory:
-        surgery.save_pretrained(model, Path(root) / "measured", max_shard_size="2MB")
-    fused = surgery.fuse(build(small_config(name), 0, torch.bfloat16).to("meta"))
-    return {"peak": memory.peak, "local_bytes": local_bytes(model),
-            "largest_tensor": max(p.nbytes for p in fused.parameters())}
+        surgery.save_pretrained(model, Path(root) / "measured", max_shard_size="100MB")
+    size = sum(f.stat().st_size for f in (Path(root) / "measured").glob("*.safetensors"))
+    return {"peak": memory.peak, "local_bytes": local_bytes(model), "largest_tensor": largest, "checkpoint": size}
 
 
 def lora_checks(rank: int, world: int, root: str) -> dict:
