@@ -162,6 +162,16 @@ def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metada
         return state_dict, metadata, network_alphas
     if "lora_A" not in next(iter(mine)):  # what diffusers does next; done first so that the keys are PEFT's
         mine = convert_unet_state_dict_to_peft(mine)
+    fused = {s.fused[: -len(".weight")] for s in slices if s.fused.endswith(".weight")}
+    odd = [k for k in mine if k.rpartition(".lora_")[0] in fused or k.rpartition(".lokr_")[0] in fused
+           or k.rpartition(".")[0] in fused]
+    odd = [k for k in odd if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if odd:
+        raise SurgeryError(
+            f"{type(model).__name__}.load_lora_adapter: '{head}{odd[0]}' is not a plain LoRA factor (a DoRA "
+            "magnitude, LoRA bias or LoKr factor) of a fused module, which cannot be split exactly. Load it into the "
+            "stock model, merge it (fuse_lora(); unload_lora()), then surgery.unfuse."
+        )
     split, _ = _split(mine, slices)
     out = {**{k: v for k, v in state_dict.items() if not k.startswith(head)}, **{head + k: v for k, v in split.items()}}
     if metadata is not None:

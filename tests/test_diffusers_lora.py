@@ -10,6 +10,7 @@ import torch
 from diffusers import Flux2Pipeline
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
+from safetensors.torch import save_file
 
 import surgery
 from flux2_testing import build, inputs, rel_err, small_config
@@ -128,6 +129,32 @@ class StockAdapterOnUnfusedModel(unittest.TestCase):
                                   weight_name="pytorch_lora_weights.safetensors")
         self.trained.set_adapters(["one"])
         self.assertLessEqual(rel_err(forward(unfused, self.kw), forward(self.trained, self.kw)), FP32_TOL)
+
+
+    def test_ai_toolkit_format_converted_by_diffusers(self):
+        adapter = get_peft_model_state_dict(self.trained, adapter_name="one")
+        names = {"to_qkv_mlp_proj": "linear1", "to_out": "linear2"}
+        published = {}
+        for key, value in adapter.items():
+            parts = key.split(".")  # single_transformer_blocks.<i>.attn.<name>.lora_X.weight
+            if parts[0] == "single_transformer_blocks":
+                published[f"diffusion_model.single_blocks.{parts[1]}.{names[parts[3]]}.{parts[4]}.weight"] = value
+        save_file(published, self.root / "ai-toolkit.safetensors")
+        stock, unfused = copy.deepcopy(self.base), surgery.unfuse(copy.deepcopy(self.base))
+        for model in (stock, unfused):
+            state_dict = Flux2Pipeline.lora_state_dict(self.root / "ai-toolkit.safetensors")
+            Flux2Pipeline.load_lora_into_transformer(state_dict, transformer=model, adapter_name="t")
+        self.assert_same(stock, unfused)
+        self.assertGreater(rel_err(forward(stock, self.kw), forward(self.base, self.kw)), 1e-3)  # it does something
+
+    def test_adapters_that_cannot_be_split_are_refused(self):
+        unfused = surgery.unfuse(copy.deepcopy(self.base))
+        adapter = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(self.trained, adapter_name="one").items()}
+        key = "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_magnitude_vector"
+        with self.assertRaisesRegex(surgery.SurgeryError, "not a plain LoRA factor") as error:
+            unfused.load_lora_adapter({**adapter, key: torch.ones(3)}, adapter_name="d")
+        self.assertFalse(hasattr(unfused, "peft_config"))
+        print(f"\n{error.exception}")
 
 
 class AdapterTrainedOnUnfusedModel(unittest.TestCase):
