@@ -33,7 +33,8 @@ def _is_diffusers_model(module: nn.Module) -> bool:
 
 
 def install(model: nn.Module) -> None:
-    """Give the diffusers models in `model` that hold unfused modules the stock-layout methods; remove them elsewhere."""
+    """Give the diffusers models in `model` that hold unfused modules the stock-layout methods; remove them
+    elsewhere."""
     for module in model.modules():
         if not _is_diffusers_model(module):
             continue
@@ -221,7 +222,8 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
             allow_pickle=False,
             metadata=metadata,
         )
-    state_dict, metadata, alphas = split_adapter(self, dict(state_dict), prefix, metadata, kwargs.pop("network_alphas", None))
+    alphas = kwargs.pop("network_alphas", None)
+    state_dict, metadata, alphas = split_adapter(self, dict(state_dict), prefix, metadata, alphas)
     return type(self).load_lora_adapter(
         self, state_dict, prefix=prefix, hotswap=hotswap, metadata=metadata, network_alphas=alphas, **kwargs
     )

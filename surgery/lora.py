@@ -69,7 +69,7 @@ def _split(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> tuple
 
 
 def _adapter_prefix(state_dict: Mapping[str, torch.Tensor], modules: set[str]) -> str | None:
-    """The prefix before the model's module names in the adapter's keys ('' or e.g. 'transformer.'); None if none match."""
+    """The prefix before the model's module names in the adapter's keys ('' or 'transformer.'); None if none match."""
     found: set[str] = set()
     for key in state_dict:
         module = key.split(".lora_")[0]
@@ -110,7 +110,8 @@ def unfuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[
         )
     mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     out, _ = _split(mine, slices)
-    return {**{k: v for k, v in state_dict.items() if not k.startswith(prefix)}, **{prefix + k: v for k, v in out.items()}}
+    others = {k: v for k, v in state_dict.items() if not k.startswith(prefix)}
+    return {**others, **{prefix + k: v for k, v in out.items()}}
 
 
 def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:

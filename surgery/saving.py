@@ -197,7 +197,8 @@ def _write_file(path: Path, entries: list[Entry], metadata: dict[str, str]) -> N
     offset = 0
     for name, dtype, shape, _ in entries:
         size = _nbytes(dtype, shape)
-        header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -233,7 +234,8 @@ def _write_checkpoint(folder: Path, entries: list[Entry], max_shard_size: int | 
         _write_file(folder / filename, [by_name[n] for n in names], {"format": "pt"})
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-        (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(text)
 
 
 def _replace(tmp: Path, folder: Path) -> None:

@@ -17,8 +17,8 @@ from flux2_testing import build, inputs, rel_err, small_config
 
 FP32_TOL = 1e-5
 # every Linear of the blocks by its stock name, the fused projections included (a regex, as PEFT takes it)
-STOCK_TARGETS = (r".*(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj|single_transformer_blocks\.\d+\.attn\."
-                 r"to_out|linear_in|linear_out)$")
+STOCK_TARGETS = (r".*(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj|"
+                 r"single_transformer_blocks\.\d+\.attn\.to_out|linear_in|linear_out)$")
 
 
 def add_random_adapter(model, name: str, seed: int, targets=STOCK_TARGETS, rank: int = 4, alpha: int = 8, **kw):
@@ -149,7 +149,8 @@ class StockAdapterOnUnfusedModel(unittest.TestCase):
 
     def test_adapters_that_cannot_be_split_are_refused(self):
         unfused = surgery.unfuse(copy.deepcopy(self.base))
-        adapter = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(self.trained, adapter_name="one").items()}
+        adapter = get_peft_model_state_dict(self.trained, adapter_name="one")
+        adapter = {f"transformer.{k}": v for k, v in adapter.items()}
         key = "transformer.single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_magnitude_vector"
         with self.assertRaisesRegex(surgery.SurgeryError, "not a plain LoRA factor") as error:
             unfused.load_lora_adapter({**adapter, key: torch.ones(3)}, adapter_name="d")
@@ -176,7 +177,8 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         try:
             unfused.save_lora_adapter(folder, adapter_name="x")  # stock names, stock config
             stock = copy.deepcopy(base)
-            stock.load_lora_adapter(folder, prefix=None, adapter_name="x", weight_name="pytorch_lora_weights.safetensors")
+            stock.load_lora_adapter(folder, prefix=None, adapter_name="x",
+                                    weight_name="pytorch_lora_weights.safetensors")
             self.assertLessEqual(rel_err(forward(stock, kw), forward(unfused, kw)), FP32_TOL)
             self.assertIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj", stock.peft_config["x"].target_modules)
 
