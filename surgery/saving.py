@@ -244,7 +244,12 @@ def _replace(tmp: Path, folder: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():
         folder.rename(old)
-    tmp.rename(folder)
+    try:
+        tmp.rename(folder)
+    except BaseException:
+        if old.exists():
+            old.rename(folder)
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -301,13 +306,16 @@ def _save_sharded(model: nn.Module, folder: Path, tmp: Path, slices: list[Slice]
     if not dist.is_initialized():
         raise SurgeryError("surgery.save_pretrained: the model is sharded but torch.distributed is not initialized.")
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    _agree(error, folder)  # before the first collective of the save
     state_dict = model.state_dict()
     order = list(state_dict)
-    error = None
     try:
         # Every rank writes its own shards; DCP consolidates them (on rank 0) into full tensors, one file per tensor
         # so that no rank buffers more than one tensor. DCP names files `model-0000i-of-0000N` with its own index,
@@ -329,10 +337,15 @@ def _save_sharded(model: nn.Module, folder: Path, tmp: Path, slices: list[Slice]
         error = f"{type(e).__name__}: {e}"
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-    errors = [None] * dist.get_world_size()
+    _agree(error, folder)
+    return folder
+
+
+def _agree(error: str | None, folder: Path) -> None:
+    """Every rank raises the first rank's failure, or none does."""
+    errors: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         r, e = failed[0]
         raise RuntimeError(f"surgery.save_pretrained failed on rank {r}: {e}; '{folder}' is as it was.")
-    return folder
