@@ -270,8 +270,18 @@ class Flux2SplitQKVAttention(Flux2Attention):
     """A `Flux2Attention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v (and add_*_proj).
 
     It runs exactly as a stock, never-fused `Flux2Attention`; the class only records that `surgery.fuse` should
-    restore `to_qkv` / `to_added_qkv`.
+    restore `to_qkv` / `to_added_qkv`. diffusers' `fuse_qkv_projections()` is then a no-op (the projections count as
+    fused already) and `unfuse_qkv_projections()` makes it a plain `Flux2Attention`, which `fuse` leaves alone: the
+    same end state as on the stock model.
     """
+
+    def fuse_projections(self) -> None:
+        return None
+
+    def unfuse_projections(self) -> None:
+        # the same module, its fusion forgotten: a plain Flux2Attention with separate q/k/v (as stock unfusing leaves)
+        self.__class__ = Flux2Attention
+        self.fused_projections = False
 
 
 # --- slices: which rows/columns of each fused parameter each unfused parameter is (for either form) ---------------

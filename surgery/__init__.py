@@ -12,9 +12,10 @@ Test helpers (rel_err, CollectiveCounter, run_on_cpu_ranks, seeded models, diffu
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
 from .loading import load_tensor_parallel
-from .lora import fuse_lora_state_dict, unfuse_lora_state_dict
+from .lora import fuse_lora_state_dict, lora_target_modules, stock_lora_adapter, unfuse_lora_state_dict
 from .registry import Family, Rewrite, families, register, register_family, register_tp_plan, registered, tp_plans
 from .rewrite import fuse, last_report, unfuse
+from .saving import save_pretrained
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
 from .tensor_parallel import tensor_parallel
@@ -30,8 +31,11 @@ __all__ = [
     "key_map",
     "unfuse_state_dict",
     "fuse_state_dict",
+    "save_pretrained",
     "unfuse_lora_state_dict",
     "fuse_lora_state_dict",
+    "lora_target_modules",
+    "stock_lora_adapter",
     "SurgeryError",
     # extension API
     "Family",

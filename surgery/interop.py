@@ -1,6 +1,7 @@
 """diffusers interop kept out of the rewrite engine: what `unfuse` and `fuse` tell diffusers after they swap modules.
 
-Today: the model's `_tp_plan` (what diffusers' own `enable_parallelism` reads) is made to fit its current modules.
+The model's `_tp_plan` (what diffusers' own `enable_parallelism` reads) is made to fit its current modules, and
+`surgery.diffusers_hooks` keeps `save_pretrained`, `load_state_dict` and the LoRA loaders in diffusers' layout.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from .walk import block_path, find_modules, planned_modules
 
 def after_rewrite(model: nn.Module) -> None:
     """Called by `unfuse` and `fuse` once every module is swapped."""
+    from . import diffusers_hooks  # its hooks call back into the state-dict and saving layers
+
     sync_diffusers_tp_plans(model)
+    diffusers_hooks.install(model)
 
 
 def _style_name(style: ParallelStyle) -> str | None:

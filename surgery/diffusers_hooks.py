@@ -1,0 +1,263 @@
+"""diffusers' life cycle on an unfused model, in the stock layout: checkpoints and LoRA adapters keep stock names.
+
+`install(model)` (run at the end of `unfuse` and `fuse`) gives every diffusers model inside `model` that holds
+unfused modules three instance-level methods, which shadow the class's and call it:
+
+- `save_pretrained`: diffusers' own writer, reading the fused layout (`saving.fused_layout`), so the files are
+  bitwise what `fuse` + `save_pretrained` writes; a tensor-parallel model goes to `surgery.save_pretrained`.
+- `load_lora_adapter` (what `pipe.load_lora_weights` calls): an adapter in stock names is split
+  (`unfuse_lora_state_dict`, its `LoraConfig` by `split_adapter_config`) before diffusers reads it.
+- `save_lora_adapter`: writes the adapter in stock names (`stock_lora_adapter`).
+
+and every unfused module a `load_state_dict` pre-hook that splits fused keys, so `load_state_dict` takes either
+layout. `state_dict()` itself stays unfused: its keys match `named_parameters()`, which torch's distributed
+checkpoint, FSDP2, PEFT and optimizers need. A model with no unfused module left loses all of these.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+
+from .checks import SurgeryError
+from .walk import find_modules
+from .slicing import group_by_fused, take
+
+_HOOK_ATTR = "_surgery_load_state_dict_hook"
+
+
+def _is_diffusers_model(module: nn.Module) -> bool:
+    return hasattr(type(module), "save_pretrained") and hasattr(module, "save_config")
+
+
+def install(model: nn.Module) -> None:
+    """Give the diffusers models in `model` that hold unfused modules the stock-layout methods; remove them
+    elsewhere."""
+    for module in model.modules():
+        if not _is_diffusers_model(module):
+            continue
+        if find_modules(module, fused=False):
+            for name in _METHODS:
+                if hasattr(type(module), name):
+                    setattr(module, name, _Shadow(module, name))
+        else:
+            for name in _METHODS:
+                vars(module).pop(name, None)
+    for _, module, rewrite in find_modules(model, fused=False):
+        if rewrite.in_checkpoints and getattr(module, _HOOK_ATTR, None) is None:
+            handle = module.register_load_state_dict_pre_hook(_split_fused_keys)
+            object.__setattr__(module, _HOOK_ATTR, handle)
+
+
+class _Shadow:
+    """The method `name` of `module`'s class, with surgery's version in its place: an instance attribute.
+
+    It shows the class method's signature (diffusers' pipelines read it to pick keyword arguments), and a model that
+    holds it still pickles and deep-copies (the copy's method is bound to the copy).
+    """
+
+    def __init__(self, module: nn.Module, name: str):
+        self.__self__ = module
+        self.__name__ = name
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(getattr(type(self.__self__), self.__name__).__get__(self.__self__))
+
+    @property
+    def __doc__(self) -> str | None:
+        return _METHODS[self.__name__].__doc__
+
+    def __call__(self, *args, **kwargs):
+        return _METHODS[self.__name__](self.__self__, *args, **kwargs)
+
+
+def remove(model: nn.Module) -> None:
+    """Undo `install` on every module of `model`."""
+    for module in model.modules():
+        for name in _METHODS:
+            vars(module).pop(name, None)
+        handle = vars(module).pop(_HOOK_ATTR, None)
+        if handle is not None:
+            handle.remove()
+
+
+# --- load_state_dict: either layout ---------------------------------------------------------------------------------
+
+
+def _split_fused_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """Replace the fused keys of this unfused module in `state_dict` by its parts (row slices are views)."""
+    rewrite = next((r for r in _registered() if r.matches_unfused(module)), None)
+    if rewrite is None:
+        return
+    for fused, group in group_by_fused(rewrite.slices(module)):
+        tensor = state_dict.get(prefix + fused)
+        if tensor is None or tensor.dim() <= group[0].dim or tensor.shape[group[0].dim] != group[-1].stop:
+            continue
+        if len(group) == 1 and group[0].unfused == fused:
+            continue  # the same key and shape in both layouts
+        del state_dict[prefix + fused]
+        for s in group:
+            state_dict[prefix + s.unfused] = take(tensor, s)[0]
+
+
+def _registered():
+    from .registry import registered
+
+    return registered()
+
+
+# --- save_pretrained ------------------------------------------------------------------------------------------------
+
+
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    """diffusers' `save_pretrained`, writing the stock (fused) layout. See `surgery.saving`."""
+    from . import saving
+
+    stock = type(self).save_pretrained
+    if saving.is_sharded(self):
+        bound = inspect.signature(stock).bind(self, save_directory, *args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        supported = {"self", "save_directory", "is_main_process", "max_shard_size", "variant", "safe_serialization"}
+        odd = sorted(k for k, v in given.items() if k not in supported and v not in (None, False, {}))
+        if odd or not given["safe_serialization"]:
+            raise SurgeryError(
+                f"{type(self).__name__}.save_pretrained: the model is sharded with tensor parallelism; call "
+                f"surgery.save_pretrained(model, folder, max_shard_size=...) on every rank instead (it takes no "
+                f"{odd or ['safe_serialization=False']}), then upload the folder."
+            )
+        saving.save_pretrained(self, save_directory, max_shard_size=given["max_shard_size"], variant=given["variant"])
+        return
+    with saving.fused_layout(self):
+        stock(self, save_directory, *args, **kwargs)
+
+
+# --- LoRA -----------------------------------------------------------------------------------------------------------
+
+
+def _tp_recipe(model: nn.Module) -> SurgeryError:
+    return SurgeryError(
+        f"{type(model).__name__}.load_lora_adapter: the model is sharded with tensor parallelism, and PEFT's LoRA "
+        "layers cannot wrap sharded Linears. Load and merge the adapter before sharding: surgery.unfuse(model); "
+        "model.load_lora_adapter(adapter, prefix=...); model.fuse_lora(); model.unload_lora(); "
+        "surgery.tensor_parallel(model, mesh) (or merge it into the checkpoint: fuse_lora, unload_lora, "
+        "surgery.save_pretrained, then surgery.load_tensor_parallel)."
+    )
+
+
+def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metadata: dict | None,
+                  network_alphas: dict | None) -> tuple[dict, dict | None, dict | None]:
+    """An adapter in stock names (diffusers' format, keys under `prefix.`) split for `model`'s unfused modules."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    from .lora import _split, split_adapter_config
+    from .state_dict import key_map
+
+    slices = key_map(model)
+    head = f"{prefix}." if prefix else ""
+    mine = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
+    if not mine:
+        return state_dict, metadata, network_alphas
+    if "lora_A" not in next(iter(mine)):  # what diffusers does next; done first so that the keys are PEFT's
+        mine = convert_unet_state_dict_to_peft(mine)
+    fused = {s.fused[: -len(".weight")] for s in slices if s.fused.endswith(".weight")}
+    odd = [k for k in mine if k.rpartition(".lora_")[0] in fused or k.rpartition(".lokr_")[0] in fused
+           or k.rpartition(".")[0] in fused]
+    odd = [k for k in odd if not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if odd:
+        raise SurgeryError(
+            f"{type(model).__name__}.load_lora_adapter: '{head}{odd[0]}' is not a plain LoRA factor (a DoRA "
+            "magnitude, LoRA bias or LoKr factor) of a fused module, which cannot be split exactly. Load it into the "
+            "stock model, merge it (fuse_lora(); unload_lora()), then surgery.unfuse."
+        )
+    split, _ = _split(mine, slices)
+    out = {**{k: v for k, v in state_dict.items() if not k.startswith(head)}, **{head + k: v for k, v in split.items()}}
+    if metadata is not None:
+        config = {k[len(head):]: v for k, v in metadata.items() if k.startswith(head)}
+        if config:
+            config = split_adapter_config(config, split, slices)
+            metadata = {**{k: v for k, v in metadata.items() if not k.startswith(head)},
+                        **{head + k: v for k, v in config.items()}}
+    if network_alphas:
+        parts = {}
+        for fused, group in group_by_fused([s for s in slices if s.fused.endswith(".weight")]):
+            parts[fused[: -len(".weight")]] = [s.unfused[: -len(".weight")] for s in group]
+        expanded = {}
+        for key, alpha in network_alphas.items():
+            module, _, leaf = key[len(head):].rpartition(".")
+            if key.startswith(head) and module in parts:
+                expanded.update({f"{head}{p}.{leaf}": alpha for p in parts[module]})
+            else:
+                expanded[key] = alpha
+        network_alphas = expanded
+    return out, metadata, network_alphas
+
+
+def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False,
+                       **kwargs):
+    """diffusers' `load_lora_adapter` for an adapter in stock names: split first. See `surgery.diffusers_hooks`."""
+    from . import saving
+
+    if saving.is_sharded(self):
+        raise _tp_recipe(self)
+    state_dict, metadata = pretrained_model_name_or_path_or_dict, kwargs.pop("metadata", None)
+    if not isinstance(state_dict, dict):
+        from diffusers.loaders.lora_base import _fetch_state_dict
+
+        state_dict, metadata = _fetch_state_dict(
+            pretrained_model_name_or_path_or_dict=state_dict,
+            weight_name=kwargs.pop("weight_name", None),
+            use_safetensors=kwargs.pop("use_safetensors", None),
+            local_files_only=kwargs.pop("local_files_only", None),
+            cache_dir=kwargs.pop("cache_dir", None),
+            force_download=kwargs.pop("force_download", False),
+            proxies=kwargs.pop("proxies", None),
+            token=kwargs.pop("token", None),
+            revision=kwargs.pop("revision", None),
+            subfolder=kwargs.pop("subfolder", None),
+            user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
+            allow_pickle=False,
+            metadata=metadata,
+        )
+    alphas = kwargs.pop("network_alphas", None)
+    state_dict, metadata, alphas = split_adapter(self, dict(state_dict), prefix, metadata, alphas)
+    return type(self).load_lora_adapter(
+        self, state_dict, prefix=prefix, hotswap=hotswap, metadata=metadata, network_alphas=alphas, **kwargs
+    )
+
+
+def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upcast_before_saving: bool = False,
+                       safe_serialization: bool = True, weight_name: str | None = None):
+    """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.stock_lora_adapter`)."""
+    import json
+    import os
+    from pathlib import Path
+
+    import safetensors.torch
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
+
+    from .lora import stock_lora_adapter
+
+    if upcast_before_saving:
+        self.to(dtype=torch.float32)
+    state_dict, config = stock_lora_adapter(self, adapter_name)
+    if os.path.isfile(save_directory):
+        raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
+    os.makedirs(save_directory, exist_ok=True)
+    path = Path(save_directory, weight_name or (LORA_WEIGHT_NAME_SAFE if safe_serialization else LORA_WEIGHT_NAME))
+    if safe_serialization:
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)}
+        safetensors.torch.save_file(state_dict, path, metadata=metadata)
+    else:
+        torch.save(state_dict, path)
+
+
+_METHODS = {
+    "save_pretrained": _save_pretrained,
+    "load_lora_adapter": _load_lora_adapter,
+    "save_lora_adapter": _save_lora_adapter,
+}

@@ -1,0 +1,351 @@
+"""Save any model (fused, unfused, or sharded with tensor parallelism) as the stock diffusers checkpoint.
+
+`surgery.save_pretrained(model, folder)` writes what `fuse` + diffusers' `save_pretrained` would write: the fused
+(diffusers) layout, diffusers' shard names and index, and `config.json`, into a temporary sibling folder that is
+renamed into place when complete. It holds about one tensor in memory beyond the model:
+
+- an unsharded model: each fused tensor is written from its parts one part (row splits) or one block of rows
+  (column splits) at a time;
+- a tensor-parallel model: torch's distributed checkpoint (`torch.distributed.checkpoint`, its Hugging Face
+  safetensors writer) writes every rank's shards and consolidates them into full tensors of the unfused layout, one
+  file per tensor; rank 0 then streams those into diffusers' fused layout and shard files, as above.
+
+`state_dict()` itself stays in the unfused layout (its keys match `named_parameters()`), which torch's distributed
+checkpoint, FSDP2, PEFT and optimizers rely on; `fused_layout(model)` turns it fused for the length of one
+`save_pretrained` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .checks import SurgeryError
+from .slicing import Slice, concat, fused_shape, group_by_fused
+
+# Column splits are joined in blocks of rows of about this many bytes.
+_BLOCK_BYTES = 4 << 20
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
+
+
+def _checkpoint_slices(model: nn.Module) -> list[Slice]:
+    from .state_dict import key_map
+
+    return key_map(model)
+
+
+def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
+    """The fused layout's keys in the order the fused model lists them, from a state dict's `names` (either layout).
+
+    Each fused key takes the place of its first part (to_qkv_mlp_proj where to_q was, ...), which is the stock
+    module's parameter order. `(name, None)` is a key copied as it is; `(fused name, slices)` joins its parts.
+    """
+    groups = dict(group_by_fused(slices))
+    first_part = {group[0].unfused: (fused, group) for fused, group in groups.items()}
+    parts = {s.unfused for s in slices}
+    out: list[tuple[str, list[Slice] | None]] = []
+    present = set(names)
+    for name in names:
+        if name in first_part:
+            fused, group = first_part[name]
+            # `to_out.weight` is a key in both layouts: only a full set of parts is the unfused layout
+            if all(s.unfused in present for s in group) and (len(group) > 1 or fused != name):
+                out.append((fused, group))
+                continue
+        if name in parts and name not in groups:
+            continue  # a later part of a fused key emitted above
+        out.append((name, None))
+    return out
+
+
+@contextmanager
+def fused_layout(model: nn.Module) -> Iterator[None]:
+    """While inside, `model.state_dict()` is in the fused (diffusers) layout: what diffusers' `save_pretrained` reads.
+
+    A state-dict hook on `model` only, removed on exit: nobody else sees fused keys.
+    """
+    slices = _checkpoint_slices(model)
+
+    def hook(module, state_dict, prefix, local_metadata):
+        names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
+        values = {name: state_dict.pop(prefix + name) for name in names}
+        for name, group in fused_order(names, [s for s in slices if s.unfused in values]):
+            if group is None:
+                state_dict[prefix + name] = values[name]
+            else:
+                state_dict[prefix + name] = concat([values[s.unfused] for s in group], group[0].dim)[0]
+        return state_dict
+
+    handle = model._register_state_dict_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# --- where tensors come from: the model's own tensors, or full tensors that DCP consolidated ----------------------
+
+
+class _ModelTensors:
+    """Full tensors of an unsharded model's state dict."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.tensors = {k: v.detach() for k, v in state_dict.items()}
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        t = self.tensors[name]
+        return t.dtype, tuple(t.shape)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        return (t if rows is None else t[rows]).cpu()
+
+
+class _FileTensors:
+    """Full tensors in safetensors files (DCP's consolidated output), read one tensor or one block of rows at a time.
+
+    Each read opens its file and lets it go, so that no file stays mapped (a model's worth of files, one per tensor).
+    """
+
+    def __init__(self, folder: Path, order: list[str]):
+        from .checkpoint import _DTYPES, weight_files
+
+        self.files = weight_files(folder)
+        self.order = order
+        self._dtypes = _DTYPES
+
+    def names(self) -> list[str]:
+        return self.order
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            piece = f.get_slice(name)
+            return self._dtypes[piece.get_dtype()], tuple(piece.get_shape())
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]
+
+
+def _entries(source, slices: list[Slice]) -> list[Entry]:
+    """(name, dtype, shape, pieces) of every tensor of the fused layout; `pieces()` yields its bytes in order."""
+    entries: list[Entry] = []
+    for name, group in fused_order(source.names(), slices):
+        if group is None:
+            dtype, shape = source.meta(name)
+            entries.append((name, dtype, shape, lambda n=name: iter([source.read(n)])))
+            continue
+        dtype, first = source.meta(group[0].unfused)
+        shape = fused_shape(first, group)
+        parts = [s.unfused for s in group]
+        if group[0].dim == 0:  # rows: the parts' bytes one after another
+            pieces = lambda parts=parts: (source.read(p) for p in parts)  # noqa: E731
+        else:  # columns: blocks of rows of every part side by side
+            row_bytes = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size())
+            step = max(1, _BLOCK_BYTES // row_bytes)
+            pieces = lambda parts=parts, n=shape[0], step=step, dim=group[0].dim: (  # noqa: E731
+                torch.cat([source.read(p, slice(i, min(i + step, n))) for p in parts], dim=dim)
+                for i in range(0, n, step)
+            )
+        entries.append((name, dtype, shape, pieces))
+    return entries
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_file(path: Path, entries: list[Entry], metadata: dict[str, str]) -> None:
+    """One safetensors file whose tensors are written piece by piece, laid out as safetensors lays them out.
+
+    By hand because safetensors' writers take whole tensors (and `save_file` copies them into one buffer first).
+    safetensors orders tensors by dtype (widest alignment first), then name; so does this, so that a file of one
+    dtype is byte for byte what `save_file` writes.
+    """
+    from .checkpoint import _safetensors_dtype
+
+    entries = sorted(entries, key=lambda e: (-torch.empty((), dtype=e[1]).element_size(), e[0]))
+
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, _ in entries:
+        size = _nbytes(dtype, shape)
+        header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for name, dtype, shape, pieces in entries:
+            written = 0
+            for piece in pieces():
+                if piece.dtype != dtype:
+                    raise RuntimeError(f"{name}: a piece of dtype {piece.dtype}, declared {dtype}")
+                data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
+                out.write(memoryview(data))
+                written += data.nbytes
+            if written != _nbytes(dtype, shape):
+                raise RuntimeError(f"{name}: wrote {written} bytes for {dtype} {shape}")
+
+
+def _write_checkpoint(folder: Path, entries: list[Entry], max_shard_size: int | str, variant: str | None) -> None:
+    """diffusers' file layout: shards named and grouped as `save_pretrained` names and groups them, plus the index."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    weights_name = _add_variant(SAFETENSORS_WEIGHTS_NAME, variant)
+    by_name = {e[0]: e for e in entries}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda e: _nbytes(e[1], e[2]),
+        filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=max_shard_size,
+    )
+    for filename, names in split.filename_to_tensors.items():
+        _write_file(folder / filename, [by_name[n] for n in names], {"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(text)
+
+
+def _replace(tmp: Path, folder: Path) -> None:
+    """Put the complete `tmp` where `folder` is; an existing folder is moved aside first, then removed."""
+    old = folder.with_name(f".{folder.name}.surgery-old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    try:
+        tmp.rename(folder)
+    except BaseException:
+        if old.exists():
+            old.rename(folder)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check(model: nn.Module, folder: Path) -> None:
+    if not hasattr(model, "save_config"):
+        raise SurgeryError(
+            f"surgery.save_pretrained: {type(model).__name__} is not a diffusers model (no save_config); pass the "
+            "transformer, e.g. pipe.transformer."
+        )
+    if folder.is_file():
+        raise SurgeryError(f"surgery.save_pretrained: '{folder}' is a file; pass a folder.")
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise SurgeryError("surgery.save_pretrained: the model is quantized; save it with model.save_pretrained.")
+    peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
+    if peft:
+        raise SurgeryError(
+            f"surgery.save_pretrained: '{peft[0]}' is wrapped by a LoRA adapter. Save the adapter with "
+            "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
+        )
+
+
+def save_pretrained(
+    model: nn.Module, folder: str | os.PathLike, *, max_shard_size: int | str = "10GB", variant: str | None = None
+) -> Path:
+    """Write `model` (fused, unfused or tensor-parallel) as the stock diffusers checkpoint in `folder`; returns it.
+
+    The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
+    names, index and `config.json`), so stock `from_pretrained` loads them. The folder is written as a temporary
+    sibling and renamed into place when complete; an existing `folder` is replaced. A tensor-parallel model must be
+    saved from every rank at once, to a folder every rank sees (rank 0 writes the final files).
+    """
+    folder = Path(folder)
+    _check(model, folder)
+    slices = _checkpoint_slices(model)
+    tmp = folder.with_name(f".{folder.name}.surgery-tmp")
+    if not is_sharded(model):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            _write_checkpoint(tmp, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            model.save_config(tmp)
+            _replace(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return folder
+    return _save_sharded(model, folder, tmp, slices, max_shard_size, variant)
+
+
+def _save_sharded(model: nn.Module, folder: Path, tmp: Path, slices: list[Slice], max_shard_size, variant) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    if not dist.is_initialized():
+        raise SurgeryError("surgery.save_pretrained: the model is sharded but torch.distributed is not initialized.")
+    rank = dist.get_rank()
+    error = None
+    if rank == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    _agree(error, folder)  # before the first collective of the save
+    state_dict = model.state_dict()
+    order = list(state_dict)
+    try:
+        # Every rank writes its own shards; DCP consolidates them (on rank 0) into full tensors, one file per tensor
+        # so that no rank buffers more than one tensor. DCP names files `model-0000i-of-0000N` with its own index,
+        # and cannot join the unfused parts into diffusers' fused keys: that pass follows, streaming.
+        writer = HuggingFaceStorageWriter(
+            str(tmp / "dcp"),
+            fqn_to_index_mapping={name: i + 1 for i, name in enumerate(order)},
+            save_distributed=True,
+            enable_consolidation=True,
+        )
+        dcp.save(state_dict, storage_writer=writer)
+        del state_dict
+        if rank == 0:
+            _write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            shutil.rmtree(tmp / "dcp")
+            model.save_config(tmp)
+            _replace(tmp, folder)
+    except BaseException as e:  # every rank learns of a failure on any rank, and raises it
+        error = f"{type(e).__name__}: {e}"
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree(error, folder)
+    return folder
+
+
+def _agree(error: str | None, folder: Path) -> None:
+    """Every rank raises the first rank's failure, or none does."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = failed[0]
+        raise RuntimeError(f"surgery.save_pretrained failed on rank {r}: {e}; '{folder}' is as it was.")
