@@ -154,4 +154,5 @@ FAMILY = Family(
     all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
     test_configs=TEST_CONFIGS,
     reduced=reduced,
+    aliases={"chroma": "hd"},  # `--model chroma`
 )
