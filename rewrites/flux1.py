@@ -114,14 +114,19 @@ def _single_block_kwargs(m: nn.Module) -> dict:
     return dict(dim=dim, num_attention_heads=m.attn.heads, attention_head_dim=m.attn.head_dim, mlp_ratio=mlp_ratio)
 
 
+def _nested_qkv(attn: nn.Module, unfusing: bool) -> bool:
+    """Whether a block's attention is in the form its own (QKV) rewrite converts in this direction."""
+    if unfusing:
+        return type(attn) is FluxAttention and _qkv_fused(attn)
+    return type(attn) is FluxSplitQKVAttention
+
+
 def _other_attention(attn: nn.Module, unfusing: bool) -> nn.Module:
     """The block's attention in the block's new form: shared as is, or — when `fuse_qkv_projections()` fused it —
-    converted by its own rewrite (a new module; the engine skips modules nested in one it rewrites)."""
-    if unfusing and type(attn) is FluxAttention and _qkv_fused(attn):
-        return unfuse(attn)
-    if not unfusing and type(attn) is FluxSplitQKVAttention:
-        return fuse(attn)
-    return attn
+    converted by its own rewrite (a new module: the engine does not visit modules nested in one it rewrites)."""
+    if not _nested_qkv(attn, unfusing):
+        return attn
+    return unfuse(attn) if unfusing else fuse(attn)
 
 
 def single_block_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module]) -> Rewrite:
@@ -137,14 +142,14 @@ def single_block_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Mod
         return new
 
     def check(m: nn.Module, path: str, verb: str) -> None:
-        attn = m.attn
-        nested = (type(attn) is FluxAttention and _qkv_fused(attn)) if verb == "unfuse" else type(
-            attn) is FluxSplitQKVAttention
-        if nested:
-            check_hooks(attn, f"{path}.attn", verb)
-            for _, linear in _qkv_linears(attn, fused_form=verb == "unfuse"):
-                check_linear(linear, f"{path}.attn", verb)
-                check_hooks(linear, f"{path}.attn", verb)
+        """What the nested attention's conversion relies on, checked with the rest before anything is swapped."""
+        unfusing = verb == "unfuse"
+        if not _nested_qkv(m.attn, unfusing):
+            return
+        check_hooks(m.attn, f"{path}.attn", verb)
+        for name, linear in _qkv_linears(m.attn, fused_form=unfusing):
+            check_linear(linear, f"{path}.attn.{name}", verb)
+            check_hooks(linear, f"{path}.attn.{name}", verb)
 
     return Rewrite(
         name=name,

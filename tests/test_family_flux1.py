@@ -79,6 +79,17 @@ class FusedQKV(unittest.TestCase):
                 self.assertEqual({k: v for k, v in vars(module).items() if not k.startswith("_")}, attributes, path)
 
 
+    def test_a_hook_on_a_nested_to_qkv_is_refused_before_anything_changes(self):
+        _, _, model = W.make("flux1", "tp_dev")
+        model.fuse_qkv_projections()
+        model.single_transformer_blocks[1].attn.to_qkv.register_forward_hook(lambda *args: None)
+        snap = snapshot(model)
+        with self.assertRaisesRegex(surgery.SurgeryError, r"'single_transformer_blocks\.1\.attn\.to_qkv'"):
+            surgery.unfuse(model)
+        assert_unchanged(model, snap)
+        self.assertIs(type(model.transformer_blocks[0].attn), FluxAttention)
+
+
 class Processors(unittest.TestCase):
     def test_tensor_parallel_refuses_the_ip_adapter_processor_before_changing_anything(self):
         _, _, model = W.make("flux1", "tp_dev")
