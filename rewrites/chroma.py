@@ -2,10 +2,10 @@
 parameter-free AdaLN norms fed by one `distilled_guidance_layer` (an MLP approximator) instead of per-block
 modulation Linears.
 
-| fused (diffusers)                          | unfused (here)                          | slices                                   |
-|--------------------------------------------|-----------------------------------------|------------------------------------------|
-| `ChromaSingleTransformerBlock`             | `ChromaUnfusedSingleTransformerBlock`   | proj_out cols -> proj_out.attn (+ bias), |
-|   (`proj_out(cat([attn, mlp], dim=2))`)    |   (`proj_out(attn, mlp)`)               |   proj_out.mlp                           |
+| fused (diffusers)                     | unfused (here)                        | slices                          |
+|---------------------------------------|---------------------------------------|---------------------------------|
+| `ChromaSingleTransformerBlock`        | `ChromaUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, |
+| (`proj_out(cat([attn, mlp], dim=2))`) | (`proj_out(attn, mlp)`)               | proj_out.mlp (bias on .attn)    |
 
 Its attention is FLUX.1's `FluxAttention` with the stock `FluxAttnProcessor` (heads split by `head_dim`), its
 feed-forwards diffusers' `FeedForward`: their plans, and the `fuse_qkv_projections()` rewrite, are FLUX.1's

@@ -1,12 +1,12 @@
 """FLUX.1 (diffusers `FluxTransformer2DModel`: FLUX.1-dev, -schnell, -Kontext, -Fill, -Depth): what is fused, its
 unfused form, the slices between them, and stock tensor-parallel plans.
 
-| fused (diffusers)                          | unfused (here)                        | slices                                     |
-|--------------------------------------------|---------------------------------------|--------------------------------------------|
-| `FluxSingleTransformerBlock`               | `FluxUnfusedSingleTransformerBlock`   | proj_out cols -> proj_out.attn (+ bias),   |
-|   (`proj_out(cat([attn, mlp], dim=2))`)    |   (`proj_out(attn, mlp)`)             |   proj_out.mlp                             |
-| `FluxAttention` after                      | `FluxSplitQKVAttention`               | to_qkv rows -> to_q, to_k, to_v;           |
-|   `fuse_qkv_projections()`                 |                                       | to_added_qkv rows -> add_q/k/v_proj        |
+| fused (diffusers)                     | unfused (here)                      | slices                              |
+|---------------------------------------|-------------------------------------|-------------------------------------|
+| `FluxSingleTransformerBlock`          | `FluxUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn,     |
+| (`proj_out(cat([attn, mlp], dim=2))`) | (`proj_out(attn, mlp)`)             | proj_out.mlp (bias on .attn)        |
+| `FluxAttention` after                 | `FluxSplitQKVAttention`             | to_qkv rows -> to_q, to_k, to_v;    |
+| `fuse_qkv_projections()`              |                                     | to_added_qkv rows -> add_q/k/v_proj |
 
 Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor` splits heads with
 `unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is: no processor twin is needed (the IP-adapter
@@ -383,7 +383,8 @@ def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int
 
 
 def small(**config) -> dict:
-    return dict(config, in_channels=16, pooled_projection_dim=16, axes_dims_rope=rope_axes(config["attention_head_dim"]))
+    rope = rope_axes(config["attention_head_dim"])
+    return dict(config, in_channels=16, pooled_projection_dim=16, axes_dims_rope=rope)
 
 
 # Small-width configs shaped like the real ones, plus awkward shapes. The first one is what the conformance suite
