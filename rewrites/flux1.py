@@ -1,0 +1,419 @@
+"""FLUX.1 (diffusers `FluxTransformer2DModel`: FLUX.1-dev, -schnell, -Kontext, -Fill, -Depth): what is fused, its
+unfused form, the slices between them, and stock tensor-parallel plans.
+
+| fused (diffusers)                     | unfused (here)                      | slices                              |
+|---------------------------------------|-------------------------------------|-------------------------------------|
+| `FluxSingleTransformerBlock`          | `FluxUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn,     |
+| (`proj_out(cat([attn, mlp], dim=2))`) | (`proj_out(attn, mlp)`)             | proj_out.mlp (bias on .attn)        |
+| `FluxAttention` after                 | `FluxSplitQKVAttention`             | to_qkv rows -> to_q, to_k, to_v;    |
+| `fuse_qkv_projections()`              |                                     | to_added_qkv rows -> add_q/k/v_proj |
+
+Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor` splits heads with
+`unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is: no processor twin is needed (the IP-adapter
+processor splits by `attn.heads` and is refused by the tensor-parallel check).
+
+The single-block helpers here (`single_block_rewrite`, `SINGLE_BLOCK_TP_PLAN`) serve every DiT whose single-stream
+block is FLUX.1's with other norms or call arguments (Chroma imports them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxIPAdapterAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformer2DModel,
+)
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+
+from surgery.checks import SurgeryError, check_hooks, check_linear, mesh_sizes_dividing
+from surgery.registry import Family, Rewrite
+from surgery.rewrite import fuse, unfuse
+from surgery.slicing import Slice, row_slices
+from surgery.split_projection import SplitProjection, split_projection_slices
+from surgery.tensor_parallel import per_head_norm
+
+# --- the single-stream block ---------------------------------------------------------------------------------------
+
+
+class FluxUnfusedSingleTransformerBlock(FluxSingleTransformerBlock):
+    """`FluxSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out.attn(attention output) +
+    proj_out.mlp(MLP hidden)` instead of one Linear over their concatenation. The forward is diffusers 0.42.1's,
+    but for that one call."""
+
+    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0):
+        super().__init__(dim, num_attention_heads, attention_head_dim, mlp_ratio)
+        self.proj_out = SplitProjection(dim, self.mlp_hidden_dim, dim, bias=True)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+        residual = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+
+        gate = gate.unsqueeze(1)
+        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
+        hidden_states = residual + hidden_states
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+
+        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+        return encoder_hidden_states, hidden_states
+
+
+# Heads and MLP hidden units split across ranks; both halves of proj_out leave partial sums, resolved by one
+# all-reduce at proj_out's output (before the gate and the residual): one collective per block. The block is planned
+# whole (its proj_mlp is a plain Linear), so the attention's and the SplitProjection's entries are spelled out here.
+HEAD_NORM = per_head_norm(2)  # QK-norms on [batch, seq, heads, head_dim], each rank's own heads
+
+SINGLE_BLOCK_TP_PLAN = {
+    "attn.to_q": ColwiseParallel(),
+    "attn.to_k": ColwiseParallel(),
+    "attn.to_v": ColwiseParallel(),
+    "attn.norm_q": HEAD_NORM,
+    "attn.norm_k": HEAD_NORM,
+    "proj_mlp": ColwiseParallel(),
+    "proj_out.attn": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+    "proj_out.mlp": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
+    "proj_out": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+}
+
+
+def _single_block_slices(m: nn.Module) -> list[Slice]:
+    # the fused proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's
+    split = isinstance(m.proj_out, SplitProjection)
+    attn_features = None if split else m.proj_out.in_features - m.mlp_hidden_dim
+    return split_projection_slices("proj_out", m.proj_out, attn_features=attn_features)
+
+
+def _single_block_kwargs(m: nn.Module) -> dict:
+    dim = m.proj_mlp.in_features
+    mlp_ratio = m.mlp_hidden_dim / dim
+    if int(dim * mlp_ratio) != m.mlp_hidden_dim:  # float round trip; never for published configs
+        raise SurgeryError(f"{type(m).__name__}: mlp_hidden_dim {m.mlp_hidden_dim} is not int({dim} * a ratio).")
+    return dict(dim=dim, num_attention_heads=m.attn.heads, attention_head_dim=m.attn.head_dim, mlp_ratio=mlp_ratio)
+
+
+def _nested_qkv(attn: nn.Module, unfusing: bool) -> bool:
+    """Whether a block's attention is in the form its own (QKV) rewrite converts in this direction."""
+    if unfusing:
+        return type(attn) is FluxAttention and _qkv_fused(attn)
+    return type(attn) is FluxSplitQKVAttention
+
+
+def _other_attention(attn: nn.Module, unfusing: bool) -> nn.Module:
+    """The block's attention in the block's new form: shared as is, or — when `fuse_qkv_projections()` fused it —
+    converted by its own rewrite (a new module: the engine does not visit modules nested in one it rewrites)."""
+    if not _nested_qkv(attn, unfusing):
+        return attn
+    return unfuse(attn) if unfusing else fuse(attn)
+
+
+def single_block_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module]) -> Rewrite:
+    """The rewrite between a FLUX.1-style single-stream block class and its `SplitProjection` subclass: same
+    constructor arguments (dim, heads, head_dim, mlp_ratio), every submodule but `proj_out` shared."""
+
+    def build(m: nn.Module, cls: type[nn.Module], unfusing: bool) -> nn.Module:
+        with torch.device("meta"):
+            new = cls(**_single_block_kwargs(m))
+        for child in ("norm", "proj_mlp", "act_mlp"):
+            setattr(new, child, getattr(m, child))
+        new.attn = _other_attention(m.attn, unfusing)
+        return new
+
+    def check(m: nn.Module, path: str, verb: str) -> None:
+        """What the nested attention's conversion relies on, checked with the rest before anything is swapped."""
+        unfusing = verb == "unfuse"
+        if not _nested_qkv(m.attn, unfusing):
+            return
+        check_hooks(m.attn, f"{path}.attn", verb)
+        for name, linear in _qkv_linears(m.attn, fused_form=unfusing):
+            check_linear(linear, f"{path}.attn.{name}", verb)
+            check_hooks(linear, f"{path}.attn.{name}", verb)
+
+    return Rewrite(
+        name=name,
+        fused=fused,
+        unfused=unfused,
+        slices=_single_block_slices,
+        build_unfused=lambda m: build(m, unfused, True),
+        build_fused=lambda m: build(m, fused, False),
+        check=check,
+    )
+
+
+# --- fuse_qkv_projections() --------------------------------------------------------------------------------------
+
+
+class FluxSplitQKVAttention(FluxAttention):
+    """A `FluxAttention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v (and add_*_proj).
+
+    It runs exactly as a stock, never-fused `FluxAttention`; the class only records that `surgery.fuse` should
+    restore `to_qkv` / `to_added_qkv`.
+    """
+
+
+def _qkv_fused(m: nn.Module) -> bool:
+    return bool(getattr(m, "fused_projections", False))
+
+
+def _qkv_linears(m: nn.Module, fused_form: bool) -> list[tuple[str, nn.Module]]:
+    names = ["to_qkv", "to_added_qkv"] if fused_form else ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
+                                                            "add_v_proj"]
+    return [(n, getattr(m, n)) for n in names if isinstance(getattr(m, n, None), nn.Linear)]
+
+
+def _split_qkv_slices(m: nn.Module) -> list[Slice]:
+    inner = m.inner_dim
+    parts = [("to_q", inner), ("to_k", inner), ("to_v", inner)]
+    slices = row_slices("to_qkv", parts, "weight") + (row_slices("to_qkv", parts, "bias") if m.use_bias else [])
+    if m.added_kv_proj_dim is not None:
+        added = [("add_q_proj", inner), ("add_k_proj", inner), ("add_v_proj", inner)]
+        slices += row_slices("to_added_qkv", added, "weight")
+        if m.added_proj_bias:
+            slices += row_slices("to_added_qkv", added, "bias")
+    return slices
+
+
+def _out_bias(m: nn.Module) -> bool:
+    out = m.to_out[0] if not m.pre_only else getattr(m, "to_add_out", None)
+    return out is None or out.bias is not None
+
+
+def _attention_kwargs(m: nn.Module) -> dict:
+    return dict(
+        query_dim=m.query_dim,
+        heads=m.heads,
+        dim_head=m.head_dim,
+        dropout=m.dropout,
+        bias=m.use_bias,
+        added_kv_proj_dim=m.added_kv_proj_dim,
+        added_proj_bias=m.added_proj_bias,
+        out_bias=_out_bias(m),
+        eps=m.norm_q.eps,
+        # stock semantics: a given out_dim also sets inner_dim (and heads = out_dim // dim_head)
+        out_dim=m.out_dim if m.inner_dim == m.out_dim else None,
+        context_pre_only=m.context_pre_only,
+        pre_only=m.pre_only,
+        elementwise_affine=m.norm_q.weight is not None,
+        processor=m.processor,
+    )
+
+
+_ATTENTION_SHARED = ["norm_q", "norm_k", "to_out", "norm_added_q", "norm_added_k", "to_add_out"]
+_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"]
+
+
+def _adopt(new: nn.Module, old: nn.Module, names: list[str]) -> nn.Module:
+    for name in names:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
+    return new
+
+
+def _split_qkv(m: FluxAttention) -> FluxSplitQKVAttention:
+    with torch.device("meta"):
+        new = FluxSplitQKVAttention(**_attention_kwargs(m))
+    return _adopt(new, m, _ATTENTION_SHARED)
+
+
+def _join_qkv(m: FluxSplitQKVAttention) -> FluxAttention:
+    """The stock fused form, as `fuse_projections()` leaves it: to_qkv (to_added_qkv) beside to_q/k/v (add_*)."""
+    with torch.device("meta"):
+        new = FluxAttention(**_attention_kwargs(m))
+        new.to_qkv = nn.Linear(m.query_dim, 3 * m.inner_dim, bias=m.use_bias)
+        if m.added_kv_proj_dim is not None:
+            new.to_added_qkv = nn.Linear(m.added_kv_proj_dim, 3 * m.inner_dim, bias=m.added_proj_bias)
+    new.fused_projections = True
+    return _adopt(new, m, _ATTENTION_SHARED + _ATTENTION_PROJECTIONS)
+
+
+# The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output
+# projection. Keyed by `FluxAttention`, which Chroma shares: registered here only.
+ATTENTION_TP_PLAN = {
+    "to_q": ColwiseParallel(),
+    "to_k": ColwiseParallel(),
+    "to_v": ColwiseParallel(),
+    "norm_q": HEAD_NORM,
+    "norm_k": HEAD_NORM,
+    "to_out.0": RowwiseParallel(),
+    "add_q_proj": ColwiseParallel(),
+    "add_k_proj": ColwiseParallel(),
+    "add_v_proj": ColwiseParallel(),
+    "norm_added_q": HEAD_NORM,
+    "norm_added_k": HEAD_NORM,
+    "to_add_out": RowwiseParallel(),
+}
+
+
+def check_single_block(module: nn.Module, path: str, world: int) -> None:
+    """Whole heads per rank (the block has no `heads` of its own for the generic check), and a shardable processor."""
+    heads = module.attn.heads
+    if heads % world:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}.attn' has {heads} attention heads, which a mesh of {world} cannot "
+            f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+        )
+    check_attention_processor(module, path, world)
+
+
+def check_attention_processor(module: nn.Module, path: str, world: int) -> None:
+    """`FluxIPAdapterAttnProcessor` reshapes by `attn.heads` (the global count), so it cannot run column-sharded."""
+    for name, m in [("", module), *module.named_modules()]:
+        processor = getattr(m, "processor", None)
+        if isinstance(processor, FluxIPAdapterAttnProcessor):
+            where = ".".join(p for p in (path, name) if p)
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{where}' uses FluxIPAdapterAttnProcessor, which splits heads by the "
+                f"global attn.heads and cannot run on a rank's {world}th of the heads. Unload the IP-Adapter "
+                "(pipe.unload_ip_adapter()) before sharding."
+            )
+
+
+REWRITES = (
+    single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock, FluxUnfusedSingleTransformerBlock),
+    Rewrite(
+        name="flux1.fused_qkv_attention",
+        fused=FluxAttention,
+        unfused=FluxSplitQKVAttention,
+        slices=_split_qkv_slices,
+        build_unfused=_split_qkv,
+        build_fused=_join_qkv,
+        is_fused=_qkv_fused,
+        in_checkpoints=False,
+    ),
+)
+
+TP_PLANS = {
+    FluxAttention: ATTENTION_TP_PLAN,
+    FluxSplitQKVAttention: ATTENTION_TP_PLAN,
+    FluxUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+}
+TP_CHECKS = {
+    FluxAttention: check_attention_processor,
+    FluxSplitQKVAttention: check_attention_processor,
+    FluxUnfusedSingleTransformerBlock: check_single_block,
+}
+
+
+# --- the family: published configs, example inputs, test configs ----------------------------------------------------
+
+# The published transformer/config.json files of black-forest-labs/FLUX.1-dev, -schnell, -Kontext-dev, -Fill-dev and
+# -Depth-dev (the same numbers as diffusers' scripts/convert_flux_to_diffusers.py): 19 double / 38 single blocks,
+# 24 heads x 128, T5 width 4096, CLIP pooled 768, rope axes (16, 56, 56); all but schnell are guidance-distilled
+# (diffusers' single-file loader tells them apart by `guidance_in` and by img_in's width: 384 for Fill — latents,
+# masked image, mask — and 128 for Depth; both write 64 channels).
+_FLUX1 = dict(
+    num_layers=19, num_single_layers=38, num_attention_heads=24, attention_head_dim=128,
+    joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64, axes_dims_rope=(16, 56, 56),
+)
+VARIANTS = {
+    "dev": dict(_FLUX1, guidance_embeds=True),
+    "schnell": dict(_FLUX1, guidance_embeds=False),
+    "kontext-dev": dict(_FLUX1, guidance_embeds=True),
+    "fill-dev": dict(_FLUX1, guidance_embeds=True, in_channels=384, out_channels=64),
+    "depth-dev": dict(_FLUX1, guidance_embeds=True, in_channels=128, out_channels=64),
+}
+
+
+def rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Three even rotary axes summing to `head_dim`, shaped like FLUX.1's (16, 56, 56) for 128."""
+    if head_dim % 4:
+        raise SurgeryError(f"head_dim {head_dim} is not a multiple of 4 (three rotary axes of even size)")
+    first = 2 * max(1, head_dim // 16)
+    if (head_dim - first) % 4:
+        first += 2
+    return (first, (head_dim - first) // 2, (head_dim - first) // 2)
+
+
+def example_inputs(
+    config: dict,
+    batch: int = 1,
+    image_tokens: int = 16,
+    text_tokens: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict:
+    """Seeded keyword arguments for `FluxTransformer2DModel.forward` at `config` (a dict of its init arguments)."""
+    generator = torch.Generator().manual_seed(seed)
+    axes = len(config.get("axes_dims_rope", (16, 56, 56)))
+    inputs = dict(
+        hidden_states=torch.randn(batch, image_tokens, config.get("in_channels", 64), generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("joint_attention_dim", 4096),
+                                          generator=generator),
+        pooled_projections=torch.randn(batch, config.get("pooled_projection_dim", 768), generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        # integer positions (FluxPosEmbed takes ids.float()): no gradient flows into them
+        img_ids=torch.randint(0, 64, (image_tokens, axes), generator=generator),
+        txt_ids=torch.zeros(text_tokens, axes, dtype=torch.long),
+        guidance=torch.full((batch,), 3.5) if config.get("guidance_embeds", False) else None,
+    )
+    floating = {"hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"}
+    return {
+        k: None if v is None else v.to(device=device, dtype=dtype if k in floating else v.dtype)
+        for k, v in inputs.items()
+    }
+
+
+def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count and widths' ratios; fewer blocks, smaller heads."""
+    return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
+                axes_dims_rope=rope_axes(head_dim))
+
+
+def small(**config) -> dict:
+    rope = rope_axes(config["attention_head_dim"])
+    return dict(config, in_channels=16, pooled_projection_dim=16, axes_dims_rope=rope)
+
+
+# Small-width configs shaped like the real ones, plus awkward shapes. The first one is what the conformance suite
+# shards (world 2 and 4): 4 heads x 8 and int(32 * 4) = 128 MLP units split evenly over 2 and 4 ranks.
+TEST_CONFIGS = {
+    "tp_dev": small(num_layers=1, num_single_layers=2, num_attention_heads=4, attention_head_dim=8,
+                    joint_attention_dim=24, guidance_embeds=True),
+    # schnell: 19 double / 38 single, 24 heads -> 1 / 2, 3 heads; no guidance
+    "schnell_small": small(num_layers=1, num_single_layers=2, num_attention_heads=3, attention_head_dim=12,
+                           joint_attention_dim=16, guidance_embeds=False),
+    # fill: more input channels than output
+    "fill_odd_heads": dict(small(num_layers=1, num_single_layers=2, num_attention_heads=5, attention_head_dim=8,
+                                 joint_attention_dim=8, guidance_embeds=True), in_channels=40, out_channels=16),
+}
+
+FAMILY = Family(
+    name="flux1",
+    model_class=FluxTransformer2DModel,
+    variants=VARIANTS,
+    sources="black-forest-labs/FLUX.1-dev, -schnell, -Kontext-dev, -Fill-dev, -Depth-dev transformer/config.json; "
+    "diffusers scripts/convert_flux_to_diffusers.py and loaders/single_file_utils.py (in_channels of Fill / Depth)",
+    default_variant="dev",
+    example_inputs=example_inputs,
+    rewrites=REWRITES,
+    tp_plans=TP_PLANS,
+    tp_checks=TP_CHECKS,
+    # per double block: to_out + to_add_out + ff + ff_context; per single block: one (partial sums resolved once).
+    # diffusers' packed plan: the same (PackedRowwiseParallel all-reduces proj_out once).
+    all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
+    test_configs=TEST_CONFIGS,
+    reduced=reduced,
+)
