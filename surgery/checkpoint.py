@@ -40,6 +40,11 @@ _DTYPES = {
 }
 
 
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    """safetensors' name for a torch dtype ("F32", "BF16", ...)."""
+    return next(name for name, value in _DTYPES.items() if value == dtype)
+
+
 def add_variant(name: str, variant: str | None) -> str:
     """diffusers' `_add_variant`: the variant goes before the last suffix (`x.safetensors` -> `x.fp16.safetensors`)."""
     if variant is None:
@@ -219,8 +224,10 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         model_class = getattr(diffusers, name, None) if name else None
         if model_class is None:
             raise SurgeryError(f"'{folder}/config.json' names no diffusers class ({name!r}); pass model_class.")
+    from accelerate import init_empty_weights  # diffusers' own: parameters on meta, buffers computed for real
+
     try:
-        with torch.device("meta"):
+        with init_empty_weights():
             return model_class.from_config(model_class.load_config(folder))
     except (TypeError, ValueError, AssertionError, ZeroDivisionError) as error:
         raise SurgeryError(f"'{folder / 'config.json'}' does not build a {model_class.__name__}: {error}") from None

@@ -170,7 +170,9 @@ class FullSize(unittest.TestCase):
             per_rank = local_bytes(model)
         expected = sum(b for n, b in whole.items() if n not in sharded) + sum(whole[n] for n in sharded) // 8
         self.assertEqual(per_rank, expected)
-        self.assertGreater(sum(whole[n] for n in sharded), 0.8 * sum(whole.values()))  # the blocks' Linears
+        # the blocks' projections; FLUX.1-dev keeps its per-block AdaLN modulation Linears whole (72% sharded), as
+        # diffusers' own plan does: sharding them would add an all-gather each
+        self.assertGreater(sum(whole[n] for n in sharded), 0.7 * sum(whole.values()))
 
 
 class TensorParallel(unittest.TestCase):
