@@ -65,8 +65,13 @@ def example_inputs(
     token of every sample but the first masked as padding.
 
     The masks (`img_mask`, `encoder_hidden_states_mask`) stay on the CPU whatever `device` is: the model reads them
-    back (`tolist`, `nonzero`) to lay out the joint sequence, which a meta tensor cannot answer.
+    back (`tolist`, `nonzero`) to lay out the joint sequence, which is also why `device="meta"` is refused.
     """
+    if torch.device(device).type == "meta":
+        raise SurgeryError(
+            "QwenImage-2.1's forward reads its masks back (tolist, nonzero, repeat_interleave) to lay out the joint "
+            "sequence, so it cannot run on the meta device; its collectives per forward are 2 all-reduces per block."
+        )
     if image_tokens % _TOKENS_PER_SLOT:
         raise SurgeryError(f"QwenImage-2.1 takes image tokens in groups of 4 (2x2 per slot); got {image_tokens}.")
     generator = torch.Generator().manual_seed(seed)
