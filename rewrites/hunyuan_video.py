@@ -570,4 +570,5 @@ FAMILY = Family(
     + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
     reduced=reduced,
+    aliases={"hunyuan-video": "t2v"},  # `--model hunyuan-video`: the text-to-video model
 )
