@@ -1,12 +1,13 @@
 """HunyuanVideo (diffusers `HunyuanVideoTransformer3DModel`, text-to-video and both image-to-video variants).
 
-| fused (diffusers)                                | unfused (here)                                         | slices                   |
-|--------------------------------------------------|--------------------------------------------------------|--------------------------|
-| `HunyuanVideoSingleTransformerBlock`             | `HunyuanVideoUnfusedSingleTransformerBlock`            | proj_out cols -> attn,   |
-| `HunyuanVideoTokenReplaceSingleTransformerBlock` | `HunyuanVideoUnfusedTokenReplaceSingleTransformerBlock`|   mlp (SplitProjection)  |
-| `HunyuanVideoTransformerBlock`                   | `HunyuanVideoHeadDimTransformerBlock`                  | none (attention only)    |
-| `HunyuanVideoTokenReplaceTransformerBlock`       | `HunyuanVideoHeadDimTokenReplaceTransformerBlock`      | none (attention only)    |
-| `HunyuanVideoIndividualTokenRefinerBlock`        | `HunyuanVideoHeadDimTokenRefinerBlock`                 | none (attention only)    |
+Single-stream blocks, fused `proj_out(cat([attn, mlp], dim=2))` -> a `SplitProjection` (`proj_out` columns ->
+`proj_out.attn`, with the bias, and `proj_out.mlp`):
+    `HunyuanVideoSingleTransformerBlock` -> `HunyuanVideoUnfusedSingleTransformerBlock`
+    `HunyuanVideoTokenReplaceSingleTransformerBlock` -> `HunyuanVideoUnfusedTokenReplaceSingleTransformerBlock`
+Double-stream and token-refiner blocks, nothing sliced (their attention only, see below):
+    `HunyuanVideoTransformerBlock` -> `HunyuanVideoHeadDimTransformerBlock`
+    `HunyuanVideoTokenReplaceTransformerBlock` -> `HunyuanVideoHeadDimTokenReplaceTransformerBlock`
+    `HunyuanVideoIndividualTokenRefinerBlock` -> `HunyuanVideoHeadDimTokenRefinerBlock`
 
 Why the blocks without fused weights are rewritten too: every HunyuanVideo attention processor reshapes by the global
 head count (`unflatten(2, (attn.heads, -1))` in `HunyuanVideoAttnProcessor2_0`; `view(batch, -1, attn.heads,

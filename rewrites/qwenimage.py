@@ -1,10 +1,11 @@
 """QwenImage (diffusers `QwenImageTransformer2DModel`): nothing fused, so no rewrite; stock tensor-parallel plans only.
 
 Every double-stream block already holds separate q/k/v (image and text), separate output projections and two plain
-GELU `FeedForward`s (planned once, in `rewrites/diffusers_common.py`). Its processor, `QwenDoubleStreamAttnProcessor2_0`,
-splits heads by `head_dim` (`unflatten(-1, (-1, head_dim))`), so it runs unchanged on each rank's share of the heads.
-The plan below is diffusers' own `_tp_plan` for this class, plus the QK-norms as per-head norms (replicated weights
-whose gradients are summed over ranks); same collectives: four all-reduces per block.
+GELU `FeedForward`s (planned once, in `rewrites/diffusers_common.py`). Its processor,
+`QwenDoubleStreamAttnProcessor2_0`, splits heads by `head_dim` (`unflatten(-1, (-1, head_dim))`), so it runs
+unchanged on each rank's share of the heads. The plan below is diffusers' own `_tp_plan` for this class, plus the
+QK-norms as per-head norms (replicated weights whose gradients are summed over ranks); same collectives: four
+all-reduces per block.
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def example_inputs(
     slots = image_tokens // _TOKENS_PER_SLOT
     side = max(d for d in range(1, int(slots**0.5) + 1) if slots % d == 0)
     height, width = 2 * side, 2 * (slots // side)
-    img_mask = torch.cat([torch.zeros(batch, text_tokens, dtype=torch.bool), torch.ones(batch, slots, dtype=torch.bool)], 1)
+    img_mask = torch.ones(batch, text_tokens + slots, dtype=torch.bool)
+    img_mask[:, :text_tokens] = False
     text_mask = torch.ones(batch, text_tokens, dtype=torch.bool)
     text_mask[1:, -1] = False
     floating = dict(
