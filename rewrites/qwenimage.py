@@ -1,0 +1,153 @@
+"""QwenImage (diffusers `QwenImageTransformer2DModel`): nothing fused, so no rewrite; stock tensor-parallel plans only.
+
+Every double-stream block already holds separate q/k/v (image and text), separate output projections and two plain
+GELU `FeedForward`s (planned once, in `rewrites/diffusers_common.py`). Its processor,
+`QwenDoubleStreamAttnProcessor2_0`, splits heads by `head_dim` (`unflatten(-1, (-1, head_dim))`), so it runs
+unchanged on each rank's share of the heads. The plan below is diffusers' own `_tp_plan` for this class, plus the
+QK-norms as per-head norms (replicated weights whose gradients are summed over ranks); same collectives: four
+all-reduces per block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from diffusers.models.attention_processor import Attention
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenDoubleStreamAttnProcessor2_0,
+    QwenImageTransformer2DModel,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from surgery.checks import SurgeryError
+from surgery.registry import Family
+from surgery.tensor_parallel import per_head_norm
+
+# QK-norms act on each rank's own heads: the processor normalizes [batch, seq, heads, head_dim].
+HEAD_NORM = per_head_norm(2)
+
+# diffusers' generic `Attention` as QwenImage's double-stream block builds it: heads split across ranks, one
+# all-reduce per output projection (image and text). Only the keys a module has apply.
+ATTENTION_TP_PLAN = {
+    "to_q": ColwiseParallel(),
+    "to_k": ColwiseParallel(),
+    "to_v": ColwiseParallel(),
+    "norm_q": HEAD_NORM,
+    "norm_k": HEAD_NORM,
+    "to_out.0": RowwiseParallel(),
+    "add_q_proj": ColwiseParallel(),
+    "add_k_proj": ColwiseParallel(),
+    "add_v_proj": ColwiseParallel(),
+    "norm_added_q": HEAD_NORM,
+    "norm_added_k": HEAD_NORM,
+    "to_add_out": RowwiseParallel(),
+}
+
+# Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads.
+# `Attention` is diffusers' shared class: any other processor (most reshape with `attn.heads`) is refused below.
+HEAD_DIM_PROCESSORS = (QwenDoubleStreamAttnProcessor2_0,)
+
+
+def _check_attention(module: nn.Module, path: str, world: int) -> None:
+    if type(module.processor) not in HEAD_DIM_PROCESSORS:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' is an Attention with processor {type(module.processor).__name__}, "
+            f"which may reshape by the global head count (attn.heads) and would mix heads on a sharded rank. Only "
+            f"{[c.__name__ for c in HEAD_DIM_PROCESSORS]} are known to split by head_dim; its model family needs a "
+            "rewrite that installs such a processor (see rewrites/hunyuan_video.py)."
+        )
+
+
+# Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and Edit-2509 share it); Edit-2511 adds zero_cond_t.
+_BASE = dict(
+    patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+    joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
+)
+VARIANTS = {
+    "qwen-image": dict(_BASE),
+    "edit": dict(_BASE),
+    "edit-2511": dict(_BASE, zero_cond_t=True),
+}
+
+
+def _grid(tokens: int) -> tuple[int, int]:
+    """(height, width) in latent patches with height * width == tokens, as square as possible."""
+    height = max(d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0)
+    return height, tokens // height
+
+
+def example_inputs(
+    config: dict,
+    batch: int = 1,
+    image_tokens: int = 16,
+    text_tokens: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict:
+    """Seeded keyword arguments for `QwenImageTransformer2DModel.forward`: one image of `image_tokens` patches (with
+    `zero_cond_t`, an edit: a target and a condition image of half as many each), text of `text_tokens` with the
+    last token of every sample but the first masked as padding."""
+    generator = torch.Generator().manual_seed(seed)
+    in_channels = config.get("in_channels", 64)
+    if config.get("zero_cond_t", False):
+        height, width = _grid(image_tokens // 2)
+        shapes = [(1, height, width), (1, height, width)]
+    else:
+        height, width = _grid(image_tokens)
+        shapes = [(1, height, width)]
+    mask = torch.ones(batch, text_tokens, dtype=torch.bool)
+    mask[1:, -1] = False
+    inputs = dict(
+        hidden_states=torch.randn(batch, image_tokens, in_channels, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("joint_attention_dim", 3584),
+                                          generator=generator),
+        encoder_hidden_states_mask=mask,
+        timestep=torch.rand(batch, generator=generator),
+    )
+    floating = {"hidden_states", "encoder_hidden_states", "timestep"}
+    inputs = {k: v.to(device=device, dtype=dtype if k in floating else v.dtype) for k, v in inputs.items()}
+    return dict(inputs, img_shapes=[shapes] * batch)
+
+
+def reduced(config: dict, layers: int = 2, single_layers: int | None = None, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count and text width, fewer blocks, smaller heads.
+    (QwenImage has no single-stream blocks: `single_layers` is accepted and ignored.)"""
+    if head_dim % 8:
+        raise SurgeryError(f"head_dim {head_dim} is not a multiple of 8 (3 rotary axes of even size)")
+    quarter = head_dim // 4
+    return dict(config, num_layers=layers, attention_head_dim=head_dim, axes_dims_rope=(quarter, quarter, 2 * quarter))
+
+
+def _small(**config) -> dict:
+    rope = {8: (2, 2, 4), 12: (4, 4, 4), 16: (4, 6, 6)}[config["attention_head_dim"]]
+    return dict(dict(patch_size=2, in_channels=16, out_channels=4, guidance_embeds=False), axes_dims_rope=rope,
+                **config)
+
+
+# The first one is sharded at world 2 and 4 (4 heads, widths 32 and 128).
+TEST_CONFIGS = {
+    "tp_small": _small(num_layers=2, num_attention_heads=4, attention_head_dim=8, joint_attention_dim=16),
+    # Edit-2511: per-token modulation (target vs condition image)
+    "edit2511_small": _small(num_layers=1, num_attention_heads=2, attention_head_dim=12, joint_attention_dim=24,
+                             zero_cond_t=True),
+    "odd_heads": _small(num_layers=1, num_attention_heads=3, attention_head_dim=16, joint_attention_dim=8),
+}
+
+FAMILY = Family(
+    name="qwen-image",
+    model_class=QwenImageTransformer2DModel,
+    variants=VARIANTS,
+    sources="Qwen/Qwen-Image, Qwen/Qwen-Image-Edit transformer/config.json (QwenImageTransformer2DModel defaults "
+    "match them); Qwen/Qwen-Image-Edit-2511: zero_cond_t=True",
+    default_variant="qwen-image",
+    example_inputs=example_inputs,
+    tp_plans={Attention: ATTENTION_TP_PLAN},
+    tp_checks={Attention: _check_attention},
+    # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
+    all_reduces=lambda config: 4 * config.get("num_layers", 60),
+    test_configs=TEST_CONFIGS,
+    reduced=reduced,
+)
