@@ -117,7 +117,7 @@ def _config(args: argparse.Namespace):
 
     if args.config is None:
         family, variant = resolve_model(args.model)
-        return f"{family.name}-{variant}", family, family.config(variant)
+        return family.model_name(variant), family, family.config(variant)
     try:
         with open(args.config) as f:
             raw = json.load(f)

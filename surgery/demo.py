@@ -78,7 +78,7 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
     torch_dtype = getattr(torch, dtype)
     fused = seeded_model(family, config, seed, torch_dtype)
     params = sum(p.numel() for p in fused.parameters())
-    print(f"surgery demo: {family.name}-{variant} shape at demo size ({_describe(family, config)}), "
+    print(f"surgery demo: {family.model_name(variant)} shape at demo size ({_describe(family, config)}), "
           f"{params / 1e6:.1f}M parameters, {dtype}, seed {seed}")
 
     unfused = copy.deepcopy(fused)

@@ -301,9 +301,12 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         unfuse(model)
         tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
         layout = tp_layout(model)
-        inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
-                                       dtype=dtype, device="meta")
-        collectives = collectives_by_block(model, **inputs)
+        try:
+            inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
+                                           dtype=dtype, device="meta")
+            collectives = collectives_by_block(model, **inputs)
+        except (SurgeryError, NotImplementedError, RuntimeError) as error:  # a forward reading values back on meta
+            collectives = _declared_collectives(family, config, error)
     sharded = [r for r in layout if r["sharded"]]
     heads = getattr(model.config, "num_attention_heads", None) if hasattr(model, "config") else None
     return {
@@ -320,6 +323,17 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch},
         "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if isinstance(heads, int) else None,
     }
+
+
+def _declared_collectives(family: Family, config: dict, error: Exception) -> dict:
+    """What the family declares one forward all-reduces, where a meta forward cannot run to count it."""
+    if family.all_reduces is None:
+        raise SurgeryError(f"{family.name}: one forward cannot run on the meta device ({error}), and the family "
+                           "declares no all_reduces to plan with.") from None
+    count = family.all_reduces(config)
+    reason = str(error).splitlines()[0][:120]
+    return {"total": count, "bytes": None, "ops": {"all_reduce": count}, "per_block": {},
+            "note": f"declared by the family, not counted: its forward cannot run on the meta device ({reason})"}
 
 
 def resolve_config(model: str | dict, family: Family | None = None) -> tuple[Family, dict]:

@@ -92,9 +92,14 @@ class Family:
             raise SurgeryError(f"model family {self.name!r} has no variant {variant!r}; known: {sorted(self.variants)}.")
         return dict(self.variants[variant])
 
+    def model_name(self, variant: str | None = None) -> str:
+        """The `--model` name of a variant: `<family>-<variant>`, or the family's name alone where they are equal."""
+        variant = variant or self.default_variant
+        return self.name if variant == self.name else f"{self.name}-{variant}"
+
     def model_names(self) -> list[str]:
-        """The `--model` names of this family's variants: `<family>-<variant>` (or the family's name alone)."""
-        return [self.name if v == self.name else f"{self.name}-{v}" for v in self.variants]
+        """The `--model` names of this family's variants."""
+        return [self.model_name(v) for v in self.variants]
 
 
 _registry: list[Rewrite] = []

@@ -61,8 +61,10 @@ def plan_text(name: str, p: dict) -> str:
         ),
         "",
         f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
-        f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'}), {mb(c['bytes'])}",
-        "  per block: " + ", ".join(f"{kind} {n}" for kind, n in c["per_block"].items()),
+        f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'})"
+        + (f", {mb(c['bytes'])}" if c["bytes"] is not None else ""),
+        "  per block: " + (", ".join(f"{kind} {n}" for kind, n in c["per_block"].items()) or "-"),
+        *([f"  ({c['note']})"] if c.get("note") else []),
     ]
     if p["heads"]:
         lines.append("  heads per rank: " + ", ".join(f"rank {r}: {a}-{b - 1}" for r, (a, b) in enumerate(p["heads"])))

@@ -126,9 +126,16 @@ class _FileTensors:
     """
 
     def __init__(self, folder: Path, order: list[str]):
-        from .checkpoint import _DTYPES, weight_files
+        from safetensors import safe_open
 
-        self.files = weight_files(folder)
+        from .checkpoint import _DTYPES
+
+        # DCP's own output (`model-0000k-of-0000n.safetensors`, written by us a moment ago): every file is read, not
+        # only the names diffusers would pick.
+        self.files = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                self.files.update({name: file for name in f.keys()})
         self.order = order
         self._dtypes = _DTYPES
 

@@ -81,8 +81,8 @@ class Equivalence(unittest.TestCase):
             (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
             got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
             self.assertEqual(sorted(got), sorted(ref))
-            for name, grad in ref.items():
-                self.assertLessEqual(rel_err(got[name], grad), W.FP32_TOL, name)
+            for name, error in W.gradient_errors(got, ref).items():
+                self.assertLessEqual(error, W.FP32_TOL, name)
             for name, grad in ref_in.items():
                 self.assertLessEqual(rel_err(got_in[name], grad), W.FP32_TOL, name)
 
@@ -170,9 +170,10 @@ class FullSize(unittest.TestCase):
             per_rank = local_bytes(model)
         expected = sum(b for n, b in whole.items() if n not in sharded) + sum(whole[n] for n in sharded) // 8
         self.assertEqual(per_rank, expected)
-        # the blocks' projections; FLUX.1-dev keeps its per-block AdaLN modulation Linears whole (72% sharded), as
-        # diffusers' own plan does: sharding them would add an all-gather each
-        self.assertGreater(sum(whole[n] for n in sharded), 0.7 * sum(whole.values()))
+        # the blocks' projections; FLUX.1-dev (72% sharded), QwenImage (66%) and HunyuanVideo (72%) keep their
+        # per-block AdaLN modulation Linears whole, as diffusers' own plans do: sharding them would add an all-gather
+        # each, more collectives than diffusers' plan
+        self.assertGreater(sum(whole[n] for n in sharded), 0.6 * sum(whole.values()))
 
 
 class TensorParallel(unittest.TestCase):
