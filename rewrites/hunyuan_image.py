@@ -36,12 +36,15 @@ from surgery.split_projection import SplitProjection, fused_linear_like, split_p
 from surgery.tensor_parallel import per_head_norm
 
 
-def recast(module: nn.Module, cls: type[nn.Module], **children: nn.Module) -> nn.Module:
-    """A new `cls` holding `module`'s attributes, parameters, buffers and children, except the children named in
-    `children`, which replace those. `module` itself is left as it was.
+def recast(module: nn.Module, cls: type[nn.Module], **replace: nn.Module | dict[str, nn.Module]) -> nn.Module:
+    """A new `cls` holding `module`'s attributes, parameters, buffers and children; `module` is left as it was.
 
-    The rewrites here change a module's class (its forward or processor) and at most one child; building the other
-    form through its constructor would re-derive every attribute from init arguments the module does not keep.
+    Each keyword names a child of `module` and gives what takes its place: a module (same name), or `{name: module}`
+    for children under other names, in that order (`{}` drops the child). The order of children is kept, so that a
+    rewrite and its inverse give back `named_modules()` in diffusers' order.
+
+    The rewrites here change a module's class (its forward or processor) and a child or two; building the other form
+    through its constructor would re-derive every attribute from init arguments the module does not keep.
     """
     new = cls.__new__(cls)
     nn.Module.__init__(new)
@@ -50,7 +53,9 @@ def recast(module: nn.Module, cls: type[nn.Module], **children: nn.Module) -> nn
     new._parameters.update(module._parameters)
     new._buffers.update(module._buffers)
     new._non_persistent_buffers_set.update(module._non_persistent_buffers_set)
-    new._modules.update({name: children.get(name, child) for name, child in module._modules.items()})
+    for name, child in module._modules.items():
+        place = replace.get(name, child)
+        new._modules.update(place if isinstance(place, dict) else {name: place})
     new.training = module.training
     return new
 
