@@ -147,8 +147,12 @@ class LongCatImageUnfusedSingleTransformerBlock(LongCatImageSingleTransformerBlo
 # --- rewrites for a FLUX-like family: its attention class and processor, its single-stream block -------------------
 
 
-def attention_rewrite(name: str, stock: type, twin: type, stock_processor: type) -> Rewrite:
-    """`stock` attention (running `stock_processor`) <-> `twin` (running `SplitHeadsJointAttnProcessor`): no slices."""
+def attention_rewrite(name: str, stock: type, twin: type, stock_processor: type, shared: bool = False) -> Rewrite:
+    """`stock` attention (running `stock_processor`) <-> `twin` (running `SplitHeadsJointAttnProcessor`): no slices.
+
+    `shared`: `stock` serves other families too (diffusers' generic `Attention`); only the modules running
+    `stock_processor` are this family's, the others are left to their own families.
+    """
 
     def check(attention: nn.Module, path: str, verb: str) -> None:
         expected = stock_processor if type(attention) is stock else SplitHeadsJointAttnProcessor
@@ -181,6 +185,7 @@ def attention_rewrite(name: str, stock: type, twin: type, stock_processor: type)
         slices=lambda attention: [],
         build_unfused=split_heads,
         build_fused=count_heads,
+        is_fused=(lambda attention: type(attention.processor) is stock_processor) if shared else (lambda a: True),
         check=check,
     )
 
