@@ -147,15 +147,18 @@ class LongCatImageUnfusedSingleTransformerBlock(LongCatImageSingleTransformerBlo
 # --- rewrites for a FLUX-like family: its attention class and processor, its single-stream block -------------------
 
 
-def attention_rewrite(name: str, stock: type, twin: type, stock_processor: type, shared: bool = False) -> Rewrite:
-    """`stock` attention (running `stock_processor`) <-> `twin` (running `SplitHeadsJointAttnProcessor`): no slices.
+def attention_rewrite(
+    name: str, stock: type, twin: type, stock_processor: type, shared: bool = False,
+    twin_processor: type = SplitHeadsJointAttnProcessor,
+) -> Rewrite:
+    """`stock` attention (running `stock_processor`) <-> `twin` (running `twin_processor`): no slices.
 
     `shared`: `stock` serves other families too (diffusers' generic `Attention`); only the modules running
     `stock_processor` are this family's, the others are left to their own families.
     """
 
     def check(attention: nn.Module, path: str, verb: str) -> None:
-        expected = stock_processor if type(attention) is stock else SplitHeadsJointAttnProcessor
+        expected = stock_processor if type(attention) is stock else twin_processor
         if type(attention.processor) is not expected:
             raise SurgeryError(
                 f"surgery.{verb}: '{path}' runs a custom attention processor {type(attention.processor).__name__}; "
@@ -170,7 +173,7 @@ def attention_rewrite(name: str, stock: type, twin: type, stock_processor: type,
 
     def split_heads(attention: nn.Module) -> nn.Module:
         new = recast(attention, twin)
-        new.set_processor(SplitHeadsJointAttnProcessor())
+        new.set_processor(twin_processor())
         return new
 
     def count_heads(attention: nn.Module) -> nn.Module:
@@ -200,19 +203,34 @@ class MLPSplit:
     fused: Callable[[nn.Module], dict]
 
 
-def single_block_rewrite(name: str, stock: type, unfused: type, attention: Rewrite, mlp: MLPSplit | None = None) -> Rewrite:
+def single_block_rewrite(
+    name: str, stock: type, unfused: type, attention: Rewrite, mlp: MLPSplit | None = None,
+    nested: dict[str, Rewrite] | None = None,
+) -> Rewrite:
     """`stock` single-stream block <-> `unfused`: proj_out split by columns into a `SplitProjection`; the block's
-    `attn` converted by the `attention` rewrite, and its `proj_mlp` by `mlp` where that is fused too."""
+    `attn` converted by the `attention` rewrite, its `proj_mlp` by `mlp` where that is fused too, and any other child
+    named in `nested` (where the block has one) by its rewrite."""
+    nested = dict(nested or {})
+
+    def children(block: nn.Module, unfusing: bool) -> dict:
+        found = {name: (getattr(block, name), rewrite) for name, rewrite in nested.items()}
+        return {
+            name: rewrite.build_unfused(child) if unfusing else rewrite.build_fused(child)
+            for name, (child, rewrite) in found.items() if child is not None
+        }
 
     def check(block: nn.Module, path: str, verb: str) -> None:
         attention.check(block.attn, f"{path}.attn", verb)
+        for name, rewrite in nested.items():
+            if getattr(block, name) is not None:
+                rewrite.check(getattr(block, name), f"{path}.{name}", verb)
 
     def slices(block: nn.Module) -> list:
         out = split_projection_slices("proj_out", block.proj_out, attn_features=block.attn.inner_dim)
         return (mlp.slices(block) if mlp else []) + out
 
     def unfuse_block(block: nn.Module) -> nn.Module:
-        extra = mlp.unfused(block) if mlp else {}
+        extra = dict(mlp.unfused(block) if mlp else {}, **children(block, unfusing=True))
         return recast(
             block,
             unfused,
@@ -222,7 +240,7 @@ def single_block_rewrite(name: str, stock: type, unfused: type, attention: Rewri
         )
 
     def fuse_block(block: nn.Module) -> nn.Module:
-        extra = mlp.fused(block) if mlp else {}
+        extra = dict(mlp.fused(block) if mlp else {}, **children(block, unfusing=False))
         return recast(
             block, stock, proj_out=fused_linear_like(block.proj_out), attn=attention.build_fused(block.attn), **extra
         )
