@@ -1,10 +1,10 @@
 """Bria 3.x (diffusers `BriaTransformer2DModel`): the single-stream block's fused output projection, and attention that
 splits heads by head size so that it runs column-sharded.
 
-| stock (diffusers)              | rewritten (here)                     | slices                                       |
-|--------------------------------|--------------------------------------|----------------------------------------------|
-| `BriaSingleTransformerBlock`   | `BriaUnfusedSingleTransformerBlock`  | proj_out cols -> proj_out.attn, proj_out.mlp |
-| `BriaAttention` (double block) | `BriaSplitHeadsAttention`            | none (same parameters)                       |
+| stock (diffusers)              | rewritten (here)                    | slices                                       |
+|--------------------------------|-------------------------------------|----------------------------------------------|
+| `BriaSingleTransformerBlock`   | `BriaUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, proj_out.mlp |
+| `BriaAttention` (double block) | `BriaSplitHeadsAttention`           | none (same parameters)                       |
 
 Bria's attention processor is a verbatim copy of LongCat-Image's: its head-size twin is
 `rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
@@ -130,8 +130,8 @@ FAMILY = Family(
     name="bria",
     model_class=BriaTransformer2DModel,
     variants=VARIANTS,
-    sources="BriaTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/BRIA-3.2 transformer/config.json "
-    "for the depth (unverified)",
+    sources="BriaTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/BRIA-3.2 "
+    "transformer/config.json for the depth (unverified)",
     default_variant="3.2",
     example_inputs=example_inputs,
     rewrites=REWRITES,

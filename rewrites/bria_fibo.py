@@ -1,13 +1,13 @@
 """Bria FIBO (diffusers `BriaFiboTransformer2DModel`): the single-stream block's fused output projection, and attention
 that splits heads by head size so that it runs column-sharded.
 
-| stock (diffusers)                               | rewritten (here)                           | slices                   |
-|-------------------------------------------------|--------------------------------------------|--------------------------|
-| `BriaFiboSingleTransformerBlock`                | `BriaFiboUnfusedSingleTransformerBlock`    | proj_out cols ->         |
-|                                                 |                                            |   proj_out.attn, .mlp    |
-| `BriaFiboAttention` (double block)              | `BriaFiboSplitHeadsAttention`              | none (same parameters)   |
-| `Attention` with `BriaAttnProcessor` (single    | `BriaFiboSplitHeadsGenericAttention`       | none (same parameters)   |
-|   block's `attn`)                               |                                            |                          |
+| stock (diffusers)                            | rewritten (here)                        | slices                 |
+|----------------------------------------------|-----------------------------------------|------------------------|
+| `BriaFiboSingleTransformerBlock`             | `BriaFiboUnfusedSingleTransformerBlock` | proj_out cols ->       |
+|                                              |                                         | proj_out.attn, .mlp    |
+| `BriaFiboAttention` (double block)           | `BriaFiboSplitHeadsAttention`           | none (same parameters) |
+| `Attention` with `BriaAttnProcessor` (single | `BriaFiboSplitHeadsGenericAttention`    | none (same parameters) |
+| block's `attn`)                              |                                         |                        |
 
 The single block's `attn` is diffusers' generic `Attention` running Bria's processor; only those `Attention` modules
 (told apart by their processor) are this family's. Both processors are verbatim copies of LongCat-Image's: their
@@ -128,7 +128,8 @@ def example_inputs(config: dict, text_tokens: int = 8, seed: int = 0, **kwargs) 
     generator = torch.Generator().manual_seed(seed + 1)
     batch = inputs["hidden_states"].shape[0]
     shape = (batch, text_tokens, config["text_encoder_dim"])
-    layers = [torch.randn(shape, generator=generator) for _ in range(config["num_layers"] + config["num_single_layers"])]
+    blocks = config["num_layers"] + config["num_single_layers"]
+    layers = [torch.randn(shape, generator=generator) for _ in range(blocks)]
     like = inputs["encoder_hidden_states"]
     inputs["text_encoder_layers"] = [layer.to(device=like.device, dtype=like.dtype) for layer in layers]
     return inputs
@@ -155,8 +156,8 @@ FAMILY = Family(
     name="bria-fibo",
     model_class=BriaFiboTransformer2DModel,
     variants=VARIANTS,
-    sources="BriaFiboTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/FIBO transformer/config.json "
-    "for depth and in_channels (unverified)",
+    sources="BriaFiboTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/FIBO "
+    "transformer/config.json for depth and in_channels (unverified)",
     default_variant="fibo",
     example_inputs=example_inputs,
     rewrites=REWRITES,

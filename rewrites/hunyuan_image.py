@@ -1,11 +1,11 @@
 """HunyuanImage-2.1 (diffusers `HunyuanImageTransformer2DModel`): the single-stream block's fused output projection,
 and attention that splits heads by head size so that it runs column-sharded.
 
-| stock (diffusers)                          | rewritten (here)                              | slices                              |
-|--------------------------------------------|-----------------------------------------------|-------------------------------------|
-| `HunyuanImageSingleTransformerBlock`       | `HunyuanImageUnfusedSingleTransformerBlock`   | proj_out cols -> proj_out.attn,     |
-|                                            |   (proj_out a `SplitProjection`)              |   proj_out.mlp                      |
-| `Attention` with `HunyuanImageAttnProcessor` | `HunyuanImageSplitHeadsAttention`           | none (same parameters)              |
+| stock (diffusers)                            | rewritten (here)                            | slices              |
+|----------------------------------------------|---------------------------------------------|---------------------|
+| `HunyuanImageSingleTransformerBlock`         | `HunyuanImageUnfusedSingleTransformerBlock` | proj_out cols ->    |
+|                                              | (proj_out a `SplitProjection`)              | proj_out.attn, .mlp |
+| `Attention` with `HunyuanImageAttnProcessor` | `HunyuanImageSplitHeadsAttention`           | none                |
 
 diffusers' `HunyuanImageAttnProcessor` reshapes with the stored head count (`unflatten(2, (attn.heads, -1))`), which is
 wrong on a rank that holds `heads / N` of them; its twin here is the same code with `unflatten(2, (-1, head_dim))`.
@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutp
 
 from surgery.checks import SurgeryError
 from surgery.registry import Family, Rewrite
-from surgery.split_projection import SplitProjection, fused_linear_like, split_projection_like, split_projection_slices
+from surgery.split_projection import fused_linear_like, split_projection_like, split_projection_slices
 from surgery.tensor_parallel import per_head_norm
 
 
@@ -250,7 +250,10 @@ def _unfuse_single_block(block: HunyuanImageSingleTransformerBlock) -> HunyuanIm
 
 def _fuse_single_block(block: HunyuanImageUnfusedSingleTransformerBlock) -> HunyuanImageSingleTransformerBlock:
     return recast(
-        block, HunyuanImageSingleTransformerBlock, proj_out=fused_linear_like(block.proj_out), attn=_count_heads(block.attn)
+        block,
+        HunyuanImageSingleTransformerBlock,
+        proj_out=fused_linear_like(block.proj_out),
+        attn=_count_heads(block.attn),
     )
 
 

@@ -1,11 +1,11 @@
 """LongCat-Image (diffusers `LongCatImageTransformer2DModel`): the single-stream block's fused output projection, and
 attention that splits heads by head size so that it runs column-sharded.
 
-| stock (diffusers)                     | rewritten (here)                           | slices                                     |
-|---------------------------------------|--------------------------------------------|--------------------------------------------|
-| `LongCatImageSingleTransformerBlock`  | `LongCatImageUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, .mlp      |
-|                                       |   (proj_out a `SplitProjection`)           |                                            |
-| `LongCatImageAttention` (double block) | `LongCatImageSplitHeadsAttention`         | none (same parameters)                     |
+| stock (diffusers)                    | rewritten (here)                            | slices                       |
+|--------------------------------------|---------------------------------------------|------------------------------|
+| `LongCatImageSingleTransformerBlock` | `LongCatImageUnfusedSingleTransformerBlock` | proj_out cols -> .attn, .mlp |
+|                                      | (proj_out a `SplitProjection`)              |                              |
+| `LongCatImageAttention`              | `LongCatImageSplitHeadsAttention`           | none                         |
 
 diffusers' `LongCatImageAttnProcessor` reshapes with the stored head count (`unflatten(-1, (attn.heads, -1))`), wrong
 on a rank that holds `heads / N` of them. `SplitHeadsJointAttnProcessor` is the same code with `(-1, attn.head_dim)`;

@@ -1,11 +1,11 @@
 """Motif-Video (diffusers `MotifVideoTransformer3DModel`): the single-stream block's fused output projection, and
 self- and cross-attention that split heads by head size so that they run column-sharded.
 
-| stock (diffusers)                 | rewritten (here)                          | slices                                       |
-|-----------------------------------|-------------------------------------------|----------------------------------------------|
-| `MotifVideoSingleTransformerBlock` | `MotifVideoUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, proj_out.mlp |
-| `MotifVideoAttention`             | `MotifVideoSplitHeadsAttention`           | none (same parameters)                       |
-| `MotifVideoCrossAttention`        | `MotifVideoSplitHeadsCrossAttention`      | none (same parameters)                       |
+| stock (diffusers)                  | rewritten (here)                          | slices                       |
+|------------------------------------|-------------------------------------------|------------------------------|
+| `MotifVideoSingleTransformerBlock` | `MotifVideoUnfusedSingleTransformerBlock` | proj_out cols -> .attn, .mlp |
+| `MotifVideoAttention`              | `MotifVideoSplitHeadsAttention`           | none                         |
+| `MotifVideoCrossAttention`         | `MotifVideoSplitHeadsCrossAttention`      | none                         |
 
 diffusers' Motif processors reshape with the stored head count (`unflatten(2, (attn.heads, -1))`); their twins here
 are the same code with `unflatten(2, (-1, attn.head_dim))`.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_motif_video import (

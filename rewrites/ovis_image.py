@@ -1,13 +1,13 @@
-"""Ovis-Image (diffusers `OvisImageTransformer2DModel`): the single-stream block's fused gated MLP and output projection,
-the double-stream blocks' SwiGLU feed-forwards, and attention that splits heads by head size.
+"""Ovis-Image (diffusers `OvisImageTransformer2DModel`): the single-stream block's fused gated MLP and output
+projection, the double-stream blocks' SwiGLU feed-forwards, and attention that splits heads by head size.
 
-| stock (diffusers)                   | rewritten (here)                         | slices                                       |
-|-------------------------------------|------------------------------------------|----------------------------------------------|
-| `OvisImageSingleTransformerBlock`   | `OvisImageUnfusedSingleTransformerBlock` | proj_mlp rows -> proj_mlp_up, proj_mlp_gate; |
-|                                     |                                          | proj_out cols -> proj_out.attn, proj_out.mlp |
-| `FeedForward` with a `SwiGLU`       | `SplitSwiGLUFeedForward`                 | net.0.proj rows -> net.0.proj_up,            |
-|                                     |                                          |   net.0.proj_gate                            |
-| `OvisImageAttention` (double block) | `OvisImageSplitHeadsAttention`           | none (same parameters)                       |
+| stock (diffusers)                 | rewritten (here)                         | slices                       |
+|-----------------------------------|------------------------------------------|------------------------------|
+| `OvisImageSingleTransformerBlock` | `OvisImageUnfusedSingleTransformerBlock` | proj_mlp rows -> _up, _gate; |
+|                                   |                                          | proj_out cols -> .attn, .mlp |
+| `FeedForward` with a `SwiGLU`     | `SplitSwiGLUFeedForward`                 | net.0.proj rows ->           |
+|                                   |                                          | .proj_up, .proj_gate         |
+| `OvisImageAttention`              | `OvisImageSplitHeadsAttention`           | none                         |
 
 The single block's `proj_mlp` holds two row blocks, `up` then `gate` (`up * silu(gate)`), as diffusers' `SwiGLU` does;
 column sharding the fused weight would give each rank the wrong halves. Ovis's attention processor is a verbatim copy
