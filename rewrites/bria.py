@@ -1,0 +1,143 @@
+"""Bria 3.x (diffusers `BriaTransformer2DModel`): the single-stream block's fused output projection, and attention that
+splits heads by head size so that it runs column-sharded.
+
+| stock (diffusers)              | rewritten (here)                    | slices                                       |
+|--------------------------------|-------------------------------------|----------------------------------------------|
+| `BriaSingleTransformerBlock`   | `BriaUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, proj_out.mlp |
+| `BriaAttention` (double block) | `BriaSplitHeadsAttention`           | none (same parameters)                       |
+
+Bria's attention processor is a verbatim copy of LongCat-Image's: its head-size twin is
+`rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_bria import (
+    BriaAttention,
+    BriaAttnProcessor,
+    BriaSingleTransformerBlock,
+    BriaTransformer2DModel,
+)
+
+from rewrites.longcat_image import (
+    ATTENTION_TP_PLAN,
+    SINGLE_BLOCK_TP_PLAN,
+    SplitHeadsJointAttnProcessor,
+    attention_rewrite,
+    flux_like_inputs,
+    reduced,
+    single_block_rewrite,
+)
+from surgery.registry import Family
+
+
+class BriaSplitHeadsAttention(BriaAttention):
+    """A `BriaAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with its heads
+    split across ranks."""
+
+    _default_processor_cls = SplitHeadsJointAttnProcessor
+    _available_processors = [SplitHeadsJointAttnProcessor]
+
+
+class BriaUnfusedSingleTransformerBlock(BriaSingleTransformerBlock):
+    """`BriaSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
+    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_kwargs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+        residual = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        attention_kwargs = attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **attention_kwargs,
+        )
+
+        gate = gate.unsqueeze(1)
+        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
+        hidden_states = residual + hidden_states
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+
+        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+        return encoder_hidden_states, hidden_states
+
+
+_ATTENTION = attention_rewrite("bria.attention", BriaAttention, BriaSplitHeadsAttention, BriaAttnProcessor)
+REWRITES = (
+    single_block_rewrite(
+        "bria.single_block", BriaSingleTransformerBlock, BriaUnfusedSingleTransformerBlock, _ATTENTION
+    ),
+    _ATTENTION,
+)
+
+# The same plans as LongCat-Image's (same submodules): heads and MLP hidden units split across ranks; one all-reduce
+# per single block, one per output projection and feed-forward in the double blocks.
+TP_PLANS = {
+    BriaSplitHeadsAttention: ATTENTION_TP_PLAN,
+    BriaUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+}
+
+
+# briaai/BRIA-3.2 (T5-XXL text states, FLUX.1-style latents, no guidance embedding). The depth (10 double, 20 single
+# blocks) is from memory of the published transformer/config.json and is not verified here; the widths are the class
+# defaults.
+VARIANTS = {
+    "3.2": dict(
+        patch_size=1, in_channels=64, num_layers=10, num_single_layers=20, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=None, guidance_embeds=False,
+        axes_dims_rope=(16, 56, 56), rope_theta=10000, time_theta=10000,
+    ),
+}
+
+
+def example_inputs(config: dict, **kwargs) -> dict:
+    """Seeded keyword arguments for `BriaTransformer2DModel.forward` at `config` (no guidance: its forward tests the
+    guidance tensor's truth value, which only a one-element tensor has)."""
+    return flux_like_inputs(config, **kwargs, in_channels=64, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56))
+
+
+def _reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count; fewer blocks, smaller heads, narrow text states."""
+    return dict(reduced(config, layers, single_layers, head_dim), pooled_projection_dim=None)
+
+
+def _small(**config) -> dict:
+    return dict(dict(in_channels=8, joint_attention_dim=24, guidance_embeds=False), **config)
+
+
+# The first config is what the conformance suite shards (world 2 and 4): heads and MLP width divide by 4.
+TEST_CONFIGS = {
+    "tp_wide": _small(num_layers=1, num_single_layers=2, num_attention_heads=4, attention_head_dim=8,
+                      axes_dims_rope=(2, 2, 4)),
+    "odd_heads": _small(num_layers=1, num_single_layers=2, num_attention_heads=3, attention_head_dim=12,
+                        axes_dims_rope=(4, 4, 4)),
+}
+
+FAMILY = Family(
+    name="bria",
+    model_class=BriaTransformer2DModel,
+    variants=VARIANTS,
+    sources="BriaTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/BRIA-3.2 "
+    "transformer/config.json for the depth (unverified)",
+    default_variant="3.2",
+    example_inputs=example_inputs,
+    rewrites=REWRITES,
+    tp_plans=TP_PLANS,
+    # per double block: attention out + added out + ff + ff_context; per single block: one
+    all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    test_configs=TEST_CONFIGS,
+    reduced=_reduced,
+)

@@ -1,0 +1,169 @@
+"""Bria FIBO (diffusers `BriaFiboTransformer2DModel`): the single-stream block's fused output projection, and attention
+that splits heads by head size so that it runs column-sharded.
+
+| stock (diffusers)                            | rewritten (here)                        | slices                 |
+|----------------------------------------------|-----------------------------------------|------------------------|
+| `BriaFiboSingleTransformerBlock`             | `BriaFiboUnfusedSingleTransformerBlock` | proj_out cols ->       |
+|                                              |                                         | proj_out.attn, .mlp    |
+| `BriaFiboAttention` (double block)           | `BriaFiboSplitHeadsAttention`           | none (same parameters) |
+| `Attention` with `BriaAttnProcessor` (single | `BriaFiboSplitHeadsGenericAttention`    | none (same parameters) |
+| block's `attn`)                              |                                         |                        |
+
+The single block's `attn` is diffusers' generic `Attention` running Bria's processor; only those `Attention` modules
+(told apart by their processor) are this family's. Both processors are verbatim copies of LongCat-Image's: their
+head-size twin is `rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_processor import Attention
+from diffusers.models.transformers.transformer_bria import BriaAttnProcessor
+from diffusers.models.transformers.transformer_bria_fibo import (
+    BriaFiboAttention,
+    BriaFiboAttnProcessor,
+    BriaFiboSingleTransformerBlock,
+    BriaFiboTransformer2DModel,
+)
+
+from rewrites.longcat_image import (
+    ATTENTION_TP_PLAN,
+    SINGLE_BLOCK_TP_PLAN,
+    SplitHeadsJointAttnProcessor,
+    attention_rewrite,
+    flux_like_inputs,
+    reduced,
+    single_block_rewrite,
+)
+from surgery.registry import Family
+
+
+class BriaFiboSplitHeadsAttention(BriaFiboAttention):
+    """A `BriaFiboAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with its
+    heads split across ranks."""
+
+    _default_processor_cls = SplitHeadsJointAttnProcessor
+    _available_processors = [SplitHeadsJointAttnProcessor]
+
+
+class BriaFiboSplitHeadsGenericAttention(Attention):
+    """The single block's generic `Attention`, running `SplitHeadsJointAttnProcessor` instead of `BriaAttnProcessor`."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.inner_dim // self.heads
+
+
+class BriaFiboUnfusedSingleTransformerBlock(BriaFiboSingleTransformerBlock):
+    """`BriaFiboSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
+    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        joint_attention_kwargs: dict | None = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+
+        gate = gate.unsqueeze(1)
+        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
+        hidden_states = residual + hidden_states
+        if hidden_states.dtype == torch.float16:
+            hidden_states = hidden_states.clip(-65504, 65504)
+
+        return hidden_states
+
+
+_ATTENTION = attention_rewrite(
+    "bria_fibo.attention", BriaFiboAttention, BriaFiboSplitHeadsAttention, BriaFiboAttnProcessor
+)
+_SINGLE_BLOCK_ATTENTION = attention_rewrite(
+    "bria_fibo.single_block_attention", Attention, BriaFiboSplitHeadsGenericAttention, BriaAttnProcessor, shared=True
+)
+REWRITES = (
+    single_block_rewrite(
+        "bria_fibo.single_block", BriaFiboSingleTransformerBlock, BriaFiboUnfusedSingleTransformerBlock,
+        _SINGLE_BLOCK_ATTENTION,
+    ),
+    _ATTENTION,
+    _SINGLE_BLOCK_ATTENTION,
+)
+
+# The same plans as LongCat-Image's (same submodules).
+TP_PLANS = {
+    BriaFiboSplitHeadsAttention: ATTENTION_TP_PLAN,
+    BriaFiboUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+}
+
+
+# briaai/FIBO: SmolLM3-3B text states (2048 wide, one per block through `caption_projection`), Wan2.2 VAE latents
+# (48 channels). Depth (8 double, 38 single blocks) and in_channels are from memory of the published
+# transformer/config.json, not verified here; the widths are the class defaults.
+VARIANTS = {
+    "fibo": dict(
+        patch_size=1, in_channels=48, num_layers=8, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=None, guidance_embeds=False,
+        axes_dims_rope=(16, 56, 56), rope_theta=10000, time_theta=10000, text_encoder_dim=2048,
+    ),
+}
+_DEFAULTS = dict(in_channels=64, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56), text_encoder_dim=2048,
+                 num_layers=19, num_single_layers=38)
+
+
+def example_inputs(config: dict, text_tokens: int = 8, seed: int = 0, **kwargs) -> dict:
+    """Seeded keyword arguments for `BriaFiboTransformer2DModel.forward` at `config`: FLUX.1-style inputs plus one
+    text-encoder layer's states per block."""
+    inputs = flux_like_inputs(config, text_tokens=text_tokens, seed=seed, **kwargs, **_DEFAULTS)
+    config = dict(_DEFAULTS, **config)
+    generator = torch.Generator().manual_seed(seed + 1)
+    batch = inputs["hidden_states"].shape[0]
+    shape = (batch, text_tokens, config["text_encoder_dim"])
+    blocks = config["num_layers"] + config["num_single_layers"]
+    layers = [torch.randn(shape, generator=generator) for _ in range(blocks)]
+    like = inputs["encoder_hidden_states"]
+    inputs["text_encoder_layers"] = [layer.to(device=like.device, dtype=like.dtype) for layer in layers]
+    return inputs
+
+
+def _reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count; fewer blocks, smaller heads, narrow text states."""
+    return dict(reduced(config, layers, single_layers, head_dim), pooled_projection_dim=None, text_encoder_dim=32)
+
+
+def _small(**config) -> dict:
+    return dict(dict(in_channels=8, joint_attention_dim=24, text_encoder_dim=12, guidance_embeds=False), **config)
+
+
+# The first config is what the conformance suite shards (world 2 and 4): heads and MLP width divide by 4.
+TEST_CONFIGS = {
+    "tp_wide": _small(num_layers=1, num_single_layers=2, num_attention_heads=4, attention_head_dim=8,
+                      axes_dims_rope=(2, 2, 4)),
+    "odd_heads": _small(num_layers=1, num_single_layers=2, num_attention_heads=3, attention_head_dim=12,
+                        axes_dims_rope=(4, 4, 4)),
+}
+
+FAMILY = Family(
+    name="bria-fibo",
+    model_class=BriaFiboTransformer2DModel,
+    variants=VARIANTS,
+    sources="BriaFiboTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/FIBO "
+    "transformer/config.json for depth and in_channels (unverified)",
+    default_variant="fibo",
+    example_inputs=example_inputs,
+    rewrites=REWRITES,
+    tp_plans=TP_PLANS,
+    # per double block: attention out + added out + ff + ff_context; per single block: one
+    all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    test_configs=TEST_CONFIGS,
+    reduced=_reduced,
+)
