@@ -209,10 +209,11 @@ def family_of(model: nn.Module | type) -> Family:
 
 
 def model_names() -> list[str]:
-    """Every name `--model` accepts: `<family>-<variant>`, and each family's aliases."""
+    """Every name `--model` accepts: each family alone (its default variant), `<family>-<variant>`, and aliases."""
     names = []
     for family in families().values():
-        names += family.model_names() + list(family.aliases)
+        if family.variants:
+            names += list(dict.fromkeys([family.name, *family.model_names(), *family.aliases]))
     return names
 
 
