@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from .checkpoint import Reader, TensorInfo, layout_of, model_on_meta, resolve_checkpoint
+from .agreement import agree, fingerprint
 from .checks import SurgeryError
 from .rewrite import unfuse
 from .slicing import Slice, fused_shape, group_by_fused
@@ -78,6 +79,36 @@ def _check_keys(reader: Reader, expected: dict[str, tuple[int, ...]], folder) ->
 
 
 def load_tensor_parallel(
+    model: type | nn.Module | None,
+    checkpoint: str | os.PathLike,
+    mesh: DeviceMesh,
+    *,
+    dtype: torch.dtype | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """Build the model on meta, unfuse it, and read only this rank's slice of each tensor from `checkpoint`.
+
+    `model`: a diffusers model class (None: the class named in config.json), or a module built on the meta device.
+    `checkpoint`: a diffusers model folder, a pipeline folder (`transformer/`), or a repo id in the local Hugging
+    Face cache; safetensors, single file or sharded with an index, in the fused (diffusers) or unfused layout.
+    Replicated tensors are read whole. The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise,
+    on the mesh's device. Peak host memory is about this rank's shard plus the largest tensor it reads.
+
+    Loading runs no collective; the ranks then agree (`surgery.agreement`) before returning, so that a rank that
+    failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
+    others to wait in the model's first collective, and ranks that built different models (class, config, shapes,
+    dtypes) are refused.
+    """
+    mesh = one_dim_mesh(mesh)
+    return agree(
+        mesh, "load_tensor_parallel",
+        lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, progress=progress),
+        lambda loaded: fingerprint(loaded, mesh.size(), None, weights=False),
+    )
+
+
+def _load_tensor_parallel(
     model: type | nn.Module | None,
     checkpoint: str | os.PathLike,
     mesh: DeviceMesh,
