@@ -123,7 +123,7 @@ def _verdict(error: BaseException) -> str:
     return str(error) if isinstance(error, SurgeryError) else f"{type(error).__name__}: {error}"
 
 
-def refusal(verb: str, verdicts: list[str | None]) -> str | None:
+def refusal(verb: str, verdicts: list[str | None], during: str = "") -> str | None:
     """The one message every rank raises when any rank refused (None if none did)."""
     failed: dict[str, list[int]] = {}
     for rank, verdict in enumerate(verdicts):
@@ -134,10 +134,10 @@ def refusal(verb: str, verdicts: list[str | None]) -> str | None:
     said = []
     for verdict, ranks in failed.items():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-        said.append(f"{who}: {_strip(verdict, verb)}")
+        said.append(f"{who}{f' failed {during}' if during else ''}: {_strip(verdict, verb)}")
     stopped = sorted(set(range(len(verdicts))) - {r for ranks in failed.values() for r in ranks})
-    tail = f" (so ranks {', '.join(map(str, stopped))} stopped too, before any collective)" if stopped else ""
-    return f"surgery.{verb}: {'; '.join(said)}{tail}"
+    who = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {', '.join(map(str, stopped))}"
+    return f"surgery.{verb}: {'; '.join(said)}{f' ({who} stopped with it)' if stopped else ''}"
 
 
 def agree(
@@ -146,6 +146,7 @@ def agree(
     check: Callable[[], T],
     fingerprint_of: Callable[[T], dict[str, dict]] | None = None,
     reference: int = 0,
+    during: str = "",
 ) -> T:
     """Run `check()` on every rank, then agree: return its result on every rank, or raise the same `SurgeryError`
     on every rank if any rank's check raised or any rank's fingerprint differs from rank `reference`'s.
@@ -170,21 +171,20 @@ def agree(
     group, world = mesh.get_group(), mesh.size()
     mine = (None if error is None else _verdict(error), {name: _digest(part) for name, part in parts.items()})
     gathered = _exchange(group, mine, world)
-    message = refusal(verb, [verdict for verdict, _ in gathered])
+    message = refusal(verb, [verdict for verdict, _ in gathered], during)
     if message is None:
         digests = [d for _, d in gathered]
         differing = [name for name in digests[reference] if any(d.get(name) != digests[reference][name] for d in digests)]
         if differing:
-            # all ranks saw the same digests, so all of them take this second exchange
-            full = _exchange(group, {name: parts[name] for name in differing}, world)
-            found = []
-            for name in differing:
-                for rank in range(world):
-                    if rank != reference and full[rank][name] != full[reference][name]:
-                        found.append((name, _difference(name, full[rank][name], full[reference][name], rank, reference)))
-            what = "; ".join(text for _, text in found)
-            fixes = " ".join(dict.fromkeys(_FIXES[name] for name, _ in found))
-            message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {fixes}"
+            # Every rank saw the same digests, so all of them take this second exchange. The first differing part
+            # is the one named (a config difference also changes shapes, a dtype difference also the checksums).
+            name = differing[0]
+            full = _exchange(group, parts[name], world)
+            what = "; ".join(
+                _difference(name, full[rank], full[reference], rank, reference)
+                for rank in range(world) if full[rank] != full[reference]
+            )
+            message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {_FIXES[name]}"
     if message is None:
         return result
     if error is not None and not isinstance(error, SurgeryError):

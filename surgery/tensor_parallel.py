@@ -249,7 +249,8 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
         error = caught
     # No collective ran while sharding, so every rank reaches this exchange, whatever happened on the others.
     try:
-        agree(mesh, "tensor_parallel", lambda: _raise(error))
+        agree(mesh, "tensor_parallel", lambda: _raise(error),
+              during="while sharding, and every rank put its model back as it was")
     except BaseException:
         if error is None:
             saved.restore()
