@@ -150,6 +150,7 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
             root = _swap(root, slots, module, new)
             for move in moves:
                 _release(move, done[-1].released)
+            del move
         commits = [_optimizer_commit(opt, [m for d in done for m in d.moves]) for opt in optimizers]
     except BaseException:
         for entry in reversed(done):
@@ -157,22 +158,27 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
                 tensor.data = rebuild()
             root = _swap(root, slots, entry.new, entry.old, back=True)
         raise
-    for commit in commits:  # plain list and dict assignments: nothing left that can fail halfway
-        commit()
+    while commits:  # plain list and dict assignments: nothing left that can fail halfway
+        commits.pop()()
     # An old tensor that someone outside still holds (a user's reference to an old module or weight) gets its values
-    # back; that costs what the old tensor cost before. The others die with the old modules here.
+    # back; that costs what the old tensor cost before. The others die with the old modules here: no name in this
+    # frame may still hold an old module, a move or a closure over them.
     released = [(weakref.ref(tensor), rebuild) for entry in done for tensor, rebuild in entry.released]
-    del done, found, module, commits
-    for ref, rebuild in released:
-        tensor = ref()
-        if tensor is not None:
-            tensor.data = rebuild()
-    del released
+    del done, found, module, moves, new
+    _refill(released)
     object.__setattr__(root, _REPORT_ATTR, records)
     from .tensor_parallel import sync_diffusers_tp_plans  # imports this module
 
     sync_diffusers_tp_plans(root)
     return root
+
+
+def _refill(released: list) -> None:
+    while released:
+        ref, rebuild = released.pop()
+        tensor = ref()
+        if tensor is not None:
+            tensor.data = rebuild()
 
 
 def _names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
