@@ -148,9 +148,7 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
             records.append(RewriteRecord(path, type(module).__name__, type(new).__name__, slices, copied))
             done.append(_Done(module, new, moves))
             root = _swap(root, slots, module, new)
-            for move in moves:
-                _release(move, done[-1].released)
-            del move
+            _release(moves, done[-1].released)
         commits = [_optimizer_commit(opt, [m for d in done for m in d.moves]) for opt in optimizers]
     except BaseException:
         for entry in reversed(done):
@@ -466,7 +464,12 @@ def _convert(
     return target, copied, moves
 
 
-def _release(move: _Move, released: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
+def _release(moves: list[_Move], released: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
+    for move in moves:
+        _release_move(move, released)
+
+
+def _release_move(move: _Move, released: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:
     """Free the old tensors that the new ones copied (column splits), noting how to rebuild each on rollback.
 
     The old tensor objects stay (a rollback puts back the very same objects); only their storage goes.

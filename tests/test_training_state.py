@@ -254,15 +254,19 @@ class Rollback(unittest.TestCase):
             surgery.unfuse(model, optimizer=optimizer)
         snap, grads, opt_snap = snapshot(model), grad_snapshot(model), optimizer_snapshot(optimizer)
         original, calls = getattr(surgery.rewrite, patch), []
+        to_out = model.single_transformer_blocks[0].attn.to_out.weight  # column-split: released once swapped
+        released = []
 
         def failing(*args):
             calls.append(1)
             if len(calls) == fail_at:
+                released.append(to_out.numel() == 0 and to_out.grad.numel() == 0)
                 raise error
             return original(*args)
 
         with mock.patch.object(surgery.rewrite, patch, failing), self.assertRaises(type(error)):
             verb(model, optimizer=optimizer)
+        self.assertEqual(released, [True])  # the failure came after single block 0 released its column copies
         assert_unchanged(model, snap)  # the same module and Parameter objects, with their values
         self.assertEqual(grad_snapshot(model).keys(), grads.keys())
         for name, (gid, value) in grads.items():
@@ -278,15 +282,15 @@ class Rollback(unittest.TestCase):
         step(model, optimizer, 3)  # and it still trains
 
     def test_keyboard_interrupt_after_column_copies_were_released(self):
-        # moves: ff, ff_context, then 2 per single block (rows, to_out columns): single blocks 0 and 1 have released
-        # their old to_out columns when the 8th move fails
-        self.assert_rolled_back(surgery.unfuse, "_release", 8, KeyboardInterrupt())
+        # swaps: ff, ff_context, then the single blocks: blocks 0 and 1 have released their old to_out columns (weight,
+        # grad, Adam state) when the release after the 5th swap is interrupted
+        self.assert_rolled_back(surgery.unfuse, "_release", 5, KeyboardInterrupt())
 
     def test_memory_error_while_converting(self):
         self.assert_rolled_back(surgery.unfuse, "_convert", 4, MemoryError("simulated"))
 
     def test_fuse_interrupted(self):
-        self.assert_rolled_back(surgery.fuse, "_release", 8, KeyboardInterrupt())
+        self.assert_rolled_back(surgery.fuse, "_release", 5, KeyboardInterrupt())
 
     def test_old_weights_held_elsewhere_keep_their_values(self):
         model = build(CONFIG)
