@@ -106,6 +106,8 @@ class CarriedOver(unittest.TestCase):
         step(model, optimizer, 1)
         fused = model.single_transformer_blocks[1].attn.to_qkv_mlp_proj.weight
         exp_avg, grad = optimizer.state[fused]["exp_avg"], fused.grad
+        out = model.single_transformer_blocks[1].attn.to_out.weight
+        out_sq, out_grad = optimizer.state[out]["exp_avg_sq"].clone(), out.grad.clone()
         surgery.unfuse(model, optimizer=optimizer)
         attn = model.single_transformer_blocks[1].attn
         inner = attn.inner_dim
@@ -113,8 +115,10 @@ class CarriedOver(unittest.TestCase):
         self.assertTrue(torch.equal(to_k["exp_avg"], exp_avg[inner:2 * inner]))
         self.assertEqual(to_k["exp_avg"].data_ptr(), exp_avg[inner:2 * inner].data_ptr())  # rows: views
         self.assertEqual(attn.to_k.weight.grad.data_ptr(), grad[inner:2 * inner].data_ptr())
-        self.assertTrue(torch.equal(attn.mlp.linear_out.weight.grad, model.single_transformer_blocks[1].attn.to_out.weight.grad)
-                        is False or True)
+        mlp_out = attn.mlp.linear_out.weight  # columns: copies
+        self.assertTrue(torch.equal(mlp_out.grad, out_grad[:, inner:]))
+        self.assertTrue(torch.equal(optimizer.state[mlp_out]["exp_avg_sq"], out_sq[:, inner:]))
+        self.assertTrue(torch.equal(optimizer.state[attn.to_out.weight]["exp_avg_sq"], out_sq[:, :inner]))
 
     def test_named_parameter_groups_are_renamed(self):
         model = build(CONFIG)
