@@ -227,7 +227,9 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     Sharding runs in two phases. First every rank shards its own weights, which needs no collective: a failure there
     (out of memory, an interrupt) on any rank puts the very same Parameters and hooks back on every rank, and all of
     them raise. Then, for an integer `src_data_rank`, that rank's weights are sent to the others (scatter of shards,
-    broadcast of the rest): only the transfer itself runs there.
+    broadcast of the rest): only the transfer itself runs there. The unsharded Parameters are kept until every rank
+    has sharded, so that they can be put back: peak memory is the model plus its sharded part / world (the shards),
+    where dropping them block by block cost the model plus one block's shards.
     """
     mesh = one_dim_mesh(mesh)
     planned = planned_modules(model)
