@@ -198,9 +198,12 @@ def _check_holders(
     replaced parameter is referenced from outside its module (its reference count says so): a model nobody trains
     costs nothing. Optimizers that do not subclass torch.optim.Optimizer are not found.
     """
-    # A parameter held only by its module's `_parameters` dict has 3 references here: that dict, the `param`
-    # variable and getrefcount's argument; `replaced` adds one more.
-    suspects = {id(p): name for name, p in replaced if sys.getrefcount(p) > 4}
+    # A parameter held only by its module's `_parameters` dict has as many references here as a probe held only by
+    # one dict (plus, for both, a tuple in `checked`, the loop variable and getrefcount's argument).
+    holder = {"probe": nn.Parameter(torch.empty(0))}
+    checked = [*replaced, ("", holder["probe"])]
+    alone = next(sys.getrefcount(p) for _, p in checked[-1:])
+    suspects = {id(p): name for name, p in checked[:-1] if sys.getrefcount(p) > alone}
     if not suspects:
         return
     from torch.distributed.fsdp import FullyShardedDataParallel

@@ -302,3 +302,15 @@ class Rollback(unittest.TestCase):
         value = old.detach().clone()
         surgery.unfuse(model)
         self.assertTrue(torch.equal(old.detach(), value))
+
+
+class Cost(unittest.TestCase):
+    def test_no_garbage_collector_scan_when_nothing_else_holds_the_parameters(self):
+        model = build(CONFIG)
+        with mock.patch.object(surgery.rewrite.gc, "get_objects", wraps=surgery.rewrite.gc.get_objects) as scan:
+            surgery.fuse(surgery.unfuse(model))
+            self.assertEqual(scan.call_count, 0)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: F841 - holds them now
+            with self.assertRaises(surgery.SurgeryError):
+                surgery.unfuse(model)
+            self.assertEqual(scan.call_count, 1)
