@@ -16,12 +16,14 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_STATE_DICT_HOOKS = (
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"
+)
+
+
 def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
-    kinds = [
-        name
-        for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        if torch_hooks and getattr(module, name, None)
-    ]
+    kinds = [name for name in _MODULE_HOOKS + _STATE_DICT_HOOKS if torch_hooks and getattr(module, name, None)]
     if getattr(module, "_diffusers_hook", None) is not None:
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:
@@ -35,6 +37,71 @@ def check_model(model: nn.Module, verb: str) -> None:
         raise SurgeryError(
             f"surgery.{verb}: '{type(model).__name__}' is quantized; its weights are packed in a quantizer's layout "
             f"that cannot be sliced. Run surgery.{verb} on the unquantized model, then quantize."
+        )
+
+
+def wrapper_kind(module: nn.Module) -> str | None:
+    """The data-parallel wrapper `module` is (or has become), if any: DDP, FSDP1, or an FSDP2 `fully_shard` module."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "DistributedDataParallel"
+    if isinstance(module, FullyShardedDataParallel):
+        return "FullyShardedDataParallel (FSDP1)"
+    if isinstance(module, FSDPModule) or hasattr(module, "_get_fsdp_state"):
+        return "FSDP2 (fully_shard)"
+    return None
+
+
+def wrapper_error(path: str, kind: str, verb: str) -> SurgeryError:
+    wrap = "DistributedDataParallel(model)" if kind.startswith("Distributed") else "fully_shard(...) / FSDP(model)"
+    return SurgeryError(
+        f"surgery.{verb}: '{path}' is wrapped by {kind}, which has registered the parameters surgery.{verb} would "
+        f"replace (its gradient hooks and buckets would keep the old ones). Call surgery.{verb} on the unwrapped "
+        f"model first, then wrap: `surgery.{verb}(model); model = {wrap}`."
+    )
+
+
+def check_wrappers(model: nn.Module, verb: str) -> None:
+    """No DDP / FSDP wrapper on or inside `model` (the outside ones `surgery.rewrite` finds through the optimizer
+    scan)."""
+    for path, module in model.named_modules():
+        kind = wrapper_kind(module)
+        if kind is not None:
+            raise wrapper_error(path or type(model).__name__, kind, verb)
+
+
+def check_replaced_parameter(param: torch.Tensor, name: str, verb: str, also_at: list[str]) -> None:
+    """A Parameter that a rewrite replaces by new ones must carry nothing the new ones would lose."""
+    kinds = [
+        label
+        for attr, label in (("_backward_hooks", "tensor hooks (register_hook)"),
+                            ("_post_accumulate_grad_hooks", "post-accumulate-grad hooks"))
+        if getattr(param, attr, None)
+    ]
+    if kinds:
+        raise SurgeryError(
+            f"surgery.{verb}: '{name}' has {' and '.join(kinds)}, which would stop firing on the parameters that "
+            f"replace it. Remove them (handle.remove()) before surgery.{verb} and register them on the new parameters "
+            "afterwards."
+        )
+    if also_at:
+        raise SurgeryError(
+            f"surgery.{verb}: '{name}' is tied to {also_at[0]!r} (the same Parameter object); surgery.{verb} would "
+            f"replace it in one place only and untie them. Untie them first (give '{also_at[0]}' its own copy), or "
+            f"run surgery.{verb} where the tie does not cross a rewritten module."
+        )
+    check_inference_tensor(param, name, verb)
+
+
+def check_inference_tensor(param: torch.Tensor, name: str, verb: str) -> None:
+    if param.is_inference():
+        raise SurgeryError(
+            f"surgery.{verb}: '{name}' is an inference tensor: the model was built or loaded under "
+            "torch.inference_mode(), and inference tensors cannot be sliced into new Parameters. Build or load it "
+            "outside inference_mode (torch.no_grad() is enough), or give it new Parameters first, under "
+            "torch.no_grad(): `setattr(module, name, nn.Parameter(p.clone(), p.requires_grad))` for each."
         )
 
 
@@ -77,6 +144,7 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
             f"sliced: run surgery.{verb} before quantizing or replacing layers."
         )
     for name, param in module.named_parameters(recurse=False):
+        check_inference_tensor(param, f"{path}.{name}", verb)
         if type(param) not in (nn.Parameter, torch.Tensor) or not param.is_floating_point():
             raise SurgeryError(
                 f"surgery.{verb}: '{path}.{name}' holds a {type(param).__name__} of dtype {param.dtype}, which looks "

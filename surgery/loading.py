@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from .agreement import agree, fingerprint
 from .checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from .checks import SurgeryError
 from .rewrite import unfuse
@@ -65,10 +66,34 @@ def load_tensor_parallel(
     dtypes is cast only with an explicit `dtype`, a non-floating tensor never. Replicated tensors are read whole.
     The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise, on the mesh's device. Peak host memory
     is about this rank's shard plus the largest tensor it reads.
+
+    Loading runs no collective; the ranks then agree (`surgery.agreement`) before returning, so that a rank that
+    failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
+    others to wait in the model's first collective, and ranks that built different models (class, config, shapes,
+    dtypes) are refused.
     """
+    mesh = one_dim_mesh(mesh)
+    return agree(
+        mesh, "load_tensor_parallel",
+        lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, variant=variant,
+                                      progress=progress),
+        lambda loaded: fingerprint(loaded, mesh.size(), None, weights=False),
+    )
+
+
+def _load_tensor_parallel(
+    model: type | nn.Module | None,
+    checkpoint: str | os.PathLike,
+    mesh: DeviceMesh,
+    *,
+    dtype: torch.dtype | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    variant: str | None = None,
+    progress: bool = True,
+) -> nn.Module:
+    """`load_tensor_parallel` on this rank alone (no collective)."""
     from tqdm.auto import tqdm
 
-    mesh = one_dim_mesh(mesh)
     folder = resolve_checkpoint(checkpoint, cache_dir)
     if isinstance(model, nn.Module):
         on_meta = [n for n, p in model.named_parameters() if not p.is_meta]

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from .agreement import agree, fingerprint
 from .checks import SurgeryError, check_hooks, check_linear, check_model, mesh_sizes_dividing
 from .registry import tp_plan_for, tp_plans
 from .walk import block_path, find_modules, planned_modules
@@ -187,17 +188,49 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
     """Shard an unfused model over a 1-D `mesh` with stock `parallelize_module`; in place, returns `model`.
 
-    Every check runs first; a raised `SurgeryError` leaves the model untouched. `src_data_rank` (a rank of `mesh`)
-    is the rank whose weights every rank ends up with, as in `parallelize_module`; `None` lets each rank slice its
-    own identical copy (loaded from one checkpoint) with no collective at all. Weights may sit on another device than
-    the mesh (CPU weights, a cuda or neuron mesh): only shards are moved. Call `model.to(device)` afterwards to move
-    the replicated rest.
+    Every check runs first, on every rank, and the ranks agree before the first collective (`surgery.agreement`):
+    a refusal on any rank, or ranks holding different models (class, config, shapes, dtypes; with
+    `src_data_rank=None` the weights too), raises the same `SurgeryError` on every rank and leaves the model
+    untouched. `src_data_rank` (a rank of `mesh`) is the rank whose weights every rank ends up with, as in
+    `parallelize_module`; `None` lets each rank slice its own identical copy (loaded from one checkpoint) with no
+    collective at all. Weights may sit on another device than the mesh (CPU weights, a cuda or neuron mesh): only
+    shards are moved. Call `model.to(device)` afterwards to move the replicated rest.
+
+    Sharding runs in two phases. First every rank shards its own weights, which needs no collective: a failure there
+    (out of memory, an interrupt) on any rank puts the very same Parameters and hooks back on every rank, and all of
+    them raise. Then, for an integer `src_data_rank`, that rank's weights are sent to the others (scatter of shards,
+    broadcast of the rest): only the transfer itself runs there. The unsharded Parameters are kept until every rank
+    has sharded, so that they can be put back: peak memory is the model plus its sharded part / world (the shards),
+    where dropping them block by block cost the model plus one block's shards.
     """
     mesh = one_dim_mesh(mesh)
     planned = planned_modules(model)
-    validate(model, planned, mesh.size())
-    apply_plans(model, planned, mesh, src_data_rank)
+    world = mesh.size()
+
+    def check() -> None:
+        validate(model, planned, world)
+        check_source(model, src_data_rank, world)
+
+    agree(mesh, "tensor_parallel", check,
+          lambda _: fingerprint(model, world, src_data_rank, weights=src_data_rank is None),
+          reference=src_data_rank or 0)
+    saved = ModuleStates(model)
+    error: BaseException | None = None
+    try:
+        apply_plans(model, planned, mesh, src_data_rank=None)
+    except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
+        saved.restore()
+        error = caught
+    # No collective ran while sharding, so every rank reaches this exchange, whatever happened on the others.
+    try:
+        agree(mesh, "tensor_parallel", lambda: _raise(error),
+              during="while sharding, and every rank put its model back as it was")
+    except BaseException:
+        if error is None:
+            saved.restore()
+        raise
     if src_data_rank is not None:
+        copy_from_source(model, saved.originals(), mesh, src_data_rank)
         broadcast_replicated(model, mesh, src_data_rank)
     return model
 
@@ -211,3 +244,88 @@ def apply_plans(model: nn.Module, planned: list, mesh: DeviceMesh, src_data_rank
         parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
         if own is not None:
             parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def check_source(model: nn.Module, src_data_rank: int | None, world: int) -> None:
+    """`src_data_rank` names a rank of the mesh, and every rank holds real weights to send or receive into."""
+    if src_data_rank is None:
+        return
+    if not isinstance(src_data_rank, int) or not 0 <= src_data_rank < world:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: src_data_rank={src_data_rank!r} is not a rank of the mesh of {world}. Pass a "
+            f"rank from 0 to {world - 1}, or None to let each rank keep its own weights."
+        )
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise SurgeryError(
+                f"surgery.tensor_parallel: {name!r} is on the meta device; with src_data_rank={src_data_rank} every "
+                f"rank needs real weights (rank {src_data_rank} sends its own, the others receive into theirs). Load "
+                "the weights first (or use surgery.load_tensor_parallel), or pass src_data_rank=None where every "
+                "rank holds meta weights on purpose."
+            )
+
+
+class ModuleStates:
+    """What `parallelize_module` changes on each module (parameters, buffers, hooks, the attributes it sets),
+    recorded before sharding so that a failure puts the very same objects back."""
+
+    _DICTS = (
+        "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks",
+    )
+
+    def __init__(self, model: nn.Module):
+        self.saved = [
+            (module, {name: dict(getattr(module, name)) for name in self._DICTS if hasattr(module, name)},
+             set(vars(module)))
+            for module in model.modules()
+        ]
+
+    def restore(self) -> None:
+        for module, dicts, keys in self.saved:
+            for name, saved in dicts.items():
+                live = getattr(module, name)
+                live.clear()
+                live.update(saved)
+            for key in set(vars(module)) - keys:  # e.g. `_distribute_module_applied`
+                del module.__dict__[key]
+
+    def originals(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(id(module), parameter name) -> the Parameter it held before sharding."""
+        return {(id(module), name): p for module, dicts, _ in self.saved for name, p in dicts["_parameters"].items()}
+
+
+def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_data_rank: int) -> None:
+    """Give every rank rank `src_data_rank`'s shard of each sharded parameter, cut from its unsharded original.
+
+    A scatter per parameter where the originals sit on the mesh's device (as torch's `distribute_tensor` does); one
+    broadcast per shard where they sit elsewhere, so that only one shard at a time is moved to the device. The
+    ranks agreed on where their weights sit (the fingerprint), so they all take the same branch.
+    """
+    group = mesh.get_group()
+    src = dist.get_global_rank(group, src_data_rank)
+    me, world = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module._parameters.items():
+                if not isinstance(param, DTensor) or not param.placements[0].is_shard():
+                    continue
+                local = param._local_tensor
+                original = originals[(id(module), name)].detach()
+                pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
+                if original.device.type == mesh.device_type:
+                    scatter = [p.contiguous() for p in pieces] if pieces is not None else None
+                    dist.scatter(local, scatter, src=src, group=group)
+                    continue
+                for i in range(world):
+                    if i == src_data_rank:
+                        continue
+                    buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
+                    dist.broadcast(buffer, src=src, group=group)
+                    if i == me:
+                        local.copy_(buffer)

@@ -83,17 +83,17 @@ class Refusals(unittest.TestCase):
     def test_failure_midway_rolls_back(self):
         convert, calls = surgery.rewrite._convert, []
 
-        def failing(module, rewrite, unfusing):
+        def failing(module, rewrite, unfusing, *rest):
             calls.append(unfusing)
             if unfusing and len(calls) == 4:
                 raise MemoryError("simulated")
-            return convert(module, rewrite, unfusing)
+            return convert(module, rewrite, unfusing, *rest)
 
         snap = snapshot(self.model)
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
         with mock.patch.object(surgery.rewrite, "_convert", failing), self.assertRaises(MemoryError):
             surgery.unfuse(self.model)
-        self.assertEqual(calls, [True] * 4 + [False] * 3)
+        self.assertEqual(calls, [True] * 4)  # the old modules themselves go back, nothing is converted back
         self.assertEqual([type(m) for _, m in self.model.named_modules()], [t for _, _, t in snap[0]])
         for key, value in self.model.state_dict().items():
             self.assertTrue(torch.equal(value, state[key]), key)

@@ -1,0 +1,194 @@
+"""Ranks agree before the first collective: every rank's verdict and a fingerprint of its model, exchanged once.
+
+A rank that refuses while the others go on would leave them waiting in a collective for the process group's timeout
+(30 minutes by default); ranks that hold different models would silently compute different things. So every rank
+runs its checks locally, catching its own error, and then all ranks exchange (one `all_gather_object` over the mesh's
+group) their verdict and a digest of each part of a fingerprint: the model's class and config, its tensors' names,
+shapes and dtypes, the mesh size and `src_data_rank`, and, where each rank keeps its own weights
+(`src_data_rank=None`), a sampled checksum of the weights. Any refusal or difference raises the same `SurgeryError` on
+every rank, naming the rank and the difference; only then does a second exchange carry the differing parts in full,
+to name the first difference. torch has no such handshake: `parallelize_module` trusts every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .checks import SurgeryError
+
+T = TypeVar("T")
+
+# Elements sampled per tensor for the weights checksum: evenly spaced over the flattened tensor, first and last
+# included. Cost: one gather of <= SAMPLE elements and a copy of <= 4 KiB to the host per tensor, whatever its size
+# (FLUX.2-dev's ~1,000 tensors: ~1M elements in all). It sees a different checkpoint, seed, dtype cast or merged
+# adapter (they change nearly every element), not a difference confined to elements it does not sample.
+SAMPLE = 1024
+
+
+def sampled_checksum(tensor: torch.Tensor) -> str:
+    """A short digest of `SAMPLE` evenly spaced elements of `tensor` (its bytes, so -0.0 != 0.0 and NaNs count)."""
+    if tensor.is_meta:
+        return "meta"
+    flat = tensor.detach().reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return "empty"
+    index = torch.linspace(0, n - 1, min(n, SAMPLE), device=flat.device).round().long()
+    sample = flat[index].contiguous().cpu()
+    return hashlib.blake2b(sample.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+
+
+def _config(model: nn.Module) -> dict[str, str]:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "items"):
+        return {}
+    # diffusers' private keys (`_name_or_path`, `_diffusers_version`, ...) may differ between ranks harmlessly
+    return {key: repr(value) for key, value in sorted(config.items()) if not str(key).startswith("_")}
+
+
+def fingerprint(model: nn.Module, mesh_size: int, src_data_rank: int | None, weights: bool) -> dict[str, dict]:
+    """What every rank must hold alike before sharding, in parts that can be compared one by one."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    parts = {
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}"},
+        "config": _config(model),
+        "call": {
+            "mesh size": str(mesh_size),
+            "src_data_rank": str(src_data_rank),
+            "weights on": ", ".join(sorted({t.device.type for _, t in tensors})),
+        },
+        "tensors": {name: f"shape {tuple(t.shape)}, dtype {t.dtype}" for name, t in tensors},
+    }
+    if weights:
+        parts["weights"] = {name: sampled_checksum(t) for name, t in tensors}
+    return parts
+
+
+def _digest(part: dict) -> str:
+    return hashlib.blake2b(repr(sorted(part.items())).encode(), digest_size=16).hexdigest()
+
+
+_FIXES = {
+    "model": "Every rank must build the same model class.",
+    "config": "Every rank must build the model from the same config.",
+    "call": "Call it with the same mesh and src_data_rank on every rank.",
+    "tensors": "Every rank must build the same model from the same config, in the same dtype, and edit it alike.",
+    "weights": "With src_data_rank=None each rank keeps its own weights: load the same checkpoint (and seed) on every "
+    "rank, or pass src_data_rank=0 to give every rank rank 0's weights.",
+}
+
+
+def _difference(part: str, mine: dict, theirs: dict, rank: int, reference: int) -> str:
+    """The first difference in one part of two ranks' fingerprints, in words."""
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if a == b:
+            continue
+        if a is None:
+            return f"rank {rank} has no {key!r}, rank {reference} has one ({b})"
+        if b is None:
+            return f"rank {rank} has {key!r} ({a}), rank {reference} has none"
+        if part == "tensors":
+            return f"rank {rank}: {key!r} has {a}, rank {reference} {b}"
+        if part == "weights":
+            return f"rank {rank}: {key!r} holds other values than rank {reference}'s (sampled checksum {a} vs {b})"
+        if part == "model":
+            return f"rank {rank} has a {a}, rank {reference} a {b}"
+        return f"rank {rank}: {key}={a}, rank {reference} {key}={b}"
+    return f"rank {rank} differs from rank {reference} in {part}"
+
+
+def _exchange(group, obj: Any, world: int) -> list[Any]:
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def _exchanges(mesh) -> bool:
+    """Whether there is anyone to agree with (not for one rank, nor under torch's fake process group)."""
+    return mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "fake"
+
+
+def _strip(message: str, verb: str) -> str:
+    prefix = f"surgery.{verb}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def _verdict(error: BaseException) -> str:
+    return str(error) if isinstance(error, SurgeryError) else f"{type(error).__name__}: {error}"
+
+
+def refusal(verb: str, verdicts: list[str | None], during: str = "") -> str | None:
+    """The one message every rank raises when any rank refused (None if none did)."""
+    failed: dict[str, list[int]] = {}
+    for rank, verdict in enumerate(verdicts):
+        if verdict is not None:
+            failed.setdefault(verdict, []).append(rank)
+    if not failed:
+        return None
+    said = []
+    for verdict, ranks in failed.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        said.append(f"{who}{f' failed {during}' if during else ''}: {_strip(verdict, verb)}")
+    stopped = sorted(set(range(len(verdicts))) - {r for ranks in failed.values() for r in ranks})
+    who = f"rank {stopped[0]}" if len(stopped) == 1 else f"ranks {', '.join(map(str, stopped))}"
+    return f"surgery.{verb}: {'; '.join(said)}{f' ({who} stopped with it)' if stopped else ''}"
+
+
+def agree(
+    mesh,
+    verb: str,
+    check: Callable[[], T],
+    fingerprint_of: Callable[[T], dict[str, dict]] | None = None,
+    reference: int = 0,
+    during: str = "",
+) -> T:
+    """Run `check()` on every rank, then agree: return its result on every rank, or raise the same `SurgeryError`
+    on every rank if any rank's check raised or any rank's fingerprint differs from rank `reference`'s.
+
+    Every rank calls this at the same point; it runs at most two small collectives over `mesh`'s group and none
+    when `mesh` has one rank. A rank whose check raised something other than a `SurgeryError` re-raises that
+    error itself (the others raise the `SurgeryError` that names it); KeyboardInterrupt is exchanged first too.
+    """
+    error: BaseException | None = None
+    result = None
+    parts: dict[str, dict] = {}
+    try:
+        result = check()
+        if fingerprint_of is not None:
+            parts = fingerprint_of(result)
+    except BaseException as caught:  # noqa: BLE001 - reported to every rank, then re-raised below
+        error = caught
+    if not _exchanges(mesh):
+        if error is not None:
+            raise error
+        return result
+    group, world = mesh.get_group(), mesh.size()
+    mine = (None if error is None else _verdict(error), {name: _digest(part) for name, part in parts.items()})
+    gathered = _exchange(group, mine, world)
+    message = refusal(verb, [verdict for verdict, _ in gathered], during)
+    if message is None:
+        digests = [d for _, d in gathered]
+        differing = [name for name in digests[reference] if any(d.get(name) != digests[reference][name] for d in digests)]
+        if differing:
+            # Every rank saw the same digests, so all of them take this second exchange. The first differing part
+            # is the one named (a config difference also changes shapes, a dtype difference also the checksums).
+            name = differing[0]
+            full = _exchange(group, parts[name], world)
+            what = "; ".join(
+                _difference(name, full[rank], full[reference], rank, reference)
+                for rank in range(world) if full[rank] != full[reference]
+            )
+            message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {_FIXES[name]}"
+    if message is None:
+        return result
+    if error is not None and not isinstance(error, SurgeryError):
+        if isinstance(error, Exception):
+            raise SurgeryError(message) from error
+        raise error  # KeyboardInterrupt, SystemExit: this rank stops as asked, the others got the message
+    raise SurgeryError(message) from None
