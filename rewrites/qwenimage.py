@@ -46,18 +46,13 @@ ATTENTION_TP_PLAN = {
 }
 
 # Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads.
-# `Attention` is diffusers' shared class: any other processor (most reshape with `attn.heads`) is refused below.
+# `Attention` is diffusers' shared class: an `Attention` running any other processor (most reshape with `attn.heads`,
+# e.g. HunyuanImage's token refiner) is not planned here and stays whole on every rank.
 HEAD_DIM_PROCESSORS = (QwenDoubleStreamAttnProcessor2_0,)
 
 
-def _check_attention(module: nn.Module, path: str, world: int) -> None:
-    if type(module.processor) not in HEAD_DIM_PROCESSORS:
-        raise SurgeryError(
-            f"surgery.tensor_parallel: '{path}' is an Attention with processor {type(module.processor).__name__}, "
-            f"which may reshape by the global head count (attn.heads) and would mix heads on a sharded rank. Only "
-            f"{[c.__name__ for c in HEAD_DIM_PROCESSORS]} are known to split by head_dim; its model family needs a "
-            "rewrite that installs such a processor (see rewrites/hunyuan_video.py)."
-        )
+def _splits_by_head_dim(module: nn.Module) -> bool:
+    return type(getattr(module, "processor", None)) in HEAD_DIM_PROCESSORS
 
 
 # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and Edit-2509 share it); Edit-2511 adds zero_cond_t.
@@ -145,7 +140,7 @@ FAMILY = Family(
     default_variant="qwen-image",
     example_inputs=example_inputs,
     tp_plans={Attention: ATTENTION_TP_PLAN},
-    tp_checks={Attention: _check_attention},
+    tp_when={Attention: _splits_by_head_dim},
     # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
     all_reduces=lambda config: 4 * config.get("num_layers", 60),
     test_configs=TEST_CONFIGS,

@@ -22,8 +22,19 @@ _STATE_DICT_HOOKS = (
 )
 
 
+# The load_state_dict pre-hook `surgery.diffusers_hooks` gives each unfused module (it reads either layout): surgery's
+# own, removed and reinstalled by the verbs themselves, so never a reason to refuse.
+SURGERY_LOAD_HOOK = "_surgery_load_state_dict_hook"
+
+
+def _foreign_hooks(module: nn.Module, name: str) -> list:
+    hooks = getattr(module, name, None) or {}
+    own = getattr(module, SURGERY_LOAD_HOOK, None) if name == "_load_state_dict_pre_hooks" else None
+    return [key for key in hooks if own is None or key != own.id]
+
+
 def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
-    kinds = [name for name in _MODULE_HOOKS + _STATE_DICT_HOOKS if torch_hooks and getattr(module, name, None)]
+    kinds = [name for name in _MODULE_HOOKS + _STATE_DICT_HOOKS if torch_hooks and _foreign_hooks(module, name)]
     if getattr(module, "_diffusers_hook", None) is not None:
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:

@@ -21,11 +21,11 @@ import inspect
 import torch
 import torch.nn as nn
 
-from .checks import SurgeryError
+from .checks import SURGERY_LOAD_HOOK, SurgeryError
 from .walk import find_modules
 from .slicing import group_by_fused, take
 
-_HOOK_ATTR = "_surgery_load_state_dict_hook"
+_HOOK_ATTR = SURGERY_LOAD_HOOK  # the checks recognise it as surgery's own
 
 
 def _is_diffusers_model(module: nn.Module) -> bool:

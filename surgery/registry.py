@@ -77,6 +77,9 @@ class Family:
     rewrites: tuple[Rewrite, ...] = ()
     tp_plans: dict = field(default_factory=dict)
     tp_checks: dict = field(default_factory=dict)
+    # class -> `when(module)`: the class's plan applies only to the modules it accepts; the others stay whole
+    # (replicated). For diffusers' shared classes (`Attention`) whose modules only some families can shard.
+    tp_when: dict = field(default_factory=dict)
     all_reduces: Callable[[dict], int] | None = None
     test_configs: dict[str, dict] = field(default_factory=dict)
     reduced: Callable[[dict], dict] | None = None
@@ -105,6 +108,7 @@ class Family:
 _registry: list[Rewrite] = []
 _tp_plans: dict[type[nn.Module] | str, dict] = {}
 _tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
+_tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
 _families: dict[str, Family] = {}
 _builtins_loaded = False
 
@@ -118,14 +122,18 @@ def register(*rewrites: Rewrite) -> None:
 
 
 def register_tp_plan(
-    cls: type[nn.Module] | str, plan: dict, check: Callable[[nn.Module, str, int], None] | None = None
+    cls: type[nn.Module] | str,
+    plan: dict,
+    check: Callable[[nn.Module, str, int], None] | None = None,
+    when: Callable[[nn.Module], bool] | None = None,
 ) -> None:
     """Declare how `surgery.tensor_parallel` shards modules of exactly class `cls`.
 
     `cls` may be a class or its qualified name ("package.module.Class"), so that a family's plans cost no import of
     the library that defines it. `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the
     key `""` is the module itself. `check(module, path, world_size)` raises `SurgeryError` for sizes the mesh cannot
-    split (beyond the generic checks). A class has one plan: a module class shared by several families (diffusers'
+    split (beyond the generic checks). `when(module)`, if given, limits the plan to the modules it accepts (the
+    others of the class stay whole on every rank). A class has one plan: a module class shared by several families (diffusers'
     `FeedForward`) is planned once, in `rewrites/diffusers_common.py`.
     """
     if _tp_plans.get(cls, plan) is not plan:
@@ -133,6 +141,8 @@ def register_tp_plan(
     _tp_plans[cls] = plan
     if check is not None:
         _tp_checks[cls] = check
+    if when is not None:
+        _tp_when[cls] = when
 
 
 def register_family(family: Family) -> None:
@@ -142,7 +152,7 @@ def register_family(family: Family) -> None:
     _families[family.name] = family
     register(*family.rewrites)
     for cls, plan in family.tp_plans.items():
-        register_tp_plan(cls, plan, family.tp_checks.get(cls))
+        register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
 
 
 def qualified_name(cls: type) -> str:
@@ -167,10 +177,14 @@ def registered() -> tuple[Rewrite, ...]:
 
 
 def tp_plan_for(module: nn.Module) -> tuple[dict | None, Callable | None]:
-    """The registered plan and check for `module`'s exact class (by class or by qualified name)."""
+    """The registered plan and check for `module`'s exact class (by class or by qualified name); none where the
+    plan's `when` declines the module."""
     _load_builtins()
     cls = type(module)
     key = cls if cls in _tp_plans else qualified_name(cls)
+    when = _tp_when.get(key)
+    if when is not None and not when(module):
+        return None, None
     return _tp_plans.get(key), _tp_checks.get(key)
 
 

@@ -13,6 +13,7 @@ import torch
 from diffusers import Flux2Transformer2DModel
 
 import surgery
+from surgery.walk import find_modules
 from flux2_testing import build, small_config
 from rewrites.flux2 import CONFIGS, example_inputs
 from surgery import diagram
@@ -136,7 +137,7 @@ class Forms(unittest.TestCase):
 
     def test_model_untouched(self):
         self.assertEqual(dict(self.model.named_parameters()), self.params)
-        self.assertFalse(surgery.find_modules(self.model, fused=False))
+        self.assertFalse(find_modules(self.model, fused=False))
 
     def test_single_block_forms(self):
         fused, unfused, rank = self.single

@@ -1,7 +1,8 @@
 """QwenImage and QwenImage-2.1: what the conformance suite cannot know.
 
 Their plans are diffusers' own `_tp_plan` (same Linears, same styles; the suite checks outputs and collectives against
-it), and the plan for diffusers' shared `Attention` class is refused for processors that reshape by `attn.heads`.
+it), and the plan for diffusers' shared `Attention` class applies only to modules whose processor splits heads by
+`head_dim` (others stay whole).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import surgery
 from surgery.inspect import fake_process_group, model_on_meta
 from surgery.interop import diffusers_tp_plan
-from surgery.testing import assert_unchanged, seeded_model, snapshot
+from surgery.testing import seeded_model
 
 
 class QwenImagePlans(unittest.TestCase):
@@ -26,15 +27,17 @@ class QwenImagePlans(unittest.TestCase):
                 model = model_on_meta(family, family.config(variant))
                 self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{name}-{variant}")
 
-    def test_attention_with_a_processor_that_reshapes_by_global_heads_is_refused(self):
+    def test_attention_with_a_processor_that_reshapes_by_global_heads_stays_whole(self):
+        from torch.distributed.tensor import DTensor
+
         family = surgery.families()["qwen-image"]
         model = seeded_model(family, family.test_configs["tp_small"])
         model.transformer_blocks[1].attn.set_processor(AttnProcessor2_0())
-        snap = snapshot(model)
         with fake_process_group(2):
-            with self.assertRaisesRegex(surgery.SurgeryError, r"'transformer_blocks\.1\.attn'.*AttnProcessor2_0"):
-                surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
-        assert_unchanged(model, snap)
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        self.assertIsInstance(model.transformer_blocks[0].attn.to_q.weight, DTensor)
+        self.assertNotIsInstance(model.transformer_blocks[1].attn.to_q.weight, DTensor)
+        self.assertIsInstance(model.transformer_blocks[1].img_mlp.net[0].proj.weight, DTensor)
 
     def test_qwen_image_2_1_refuses_a_meta_forward_with_the_reason(self):
         family = surgery.families()["qwen-image-2.1"]

@@ -31,7 +31,7 @@ class Agreement(unittest.TestCase):
         "midway_0": r"rank 1 failed while sharding, and every rank put its model back as it was: MemoryError: "
         r"simulated: out of memory while sharding \(rank 0 stopped with it\)",
         "midway_None": r"rank 1 failed while sharding, and every rank put its model back as it was: MemoryError",
-        "load": r"^surgery.load_tensor_parallel: rank 1: checkpoint '.*/missing' is neither a local path",
+        "load": r"^surgery.load_tensor_parallel: rank 1: '.*/missing' does not exist",
     }
 
     def test_every_rank_raises_the_same_error_at_once_and_keeps_its_model(self):

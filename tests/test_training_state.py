@@ -7,6 +7,7 @@ from unittest import mock
 import torch
 
 import surgery
+from surgery.walk import find_modules
 import surgery.rewrite
 from surgery.testing import single_rank_group
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
@@ -26,7 +27,7 @@ def step(model, optimizer, seed):
 
 
 def in_fused_layout(model, tensors: dict) -> dict[str, torch.Tensor]:
-    return surgery.fuse_state_dict(tensors, surgery.key_map(model)) if surgery.find_modules(model, False) else tensors
+    return surgery.fuse_state_dict(tensors, surgery.key_map(model)) if find_modules(model, False) else tensors
 
 
 def fused_view(model) -> dict[str, torch.Tensor]:
