@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 
 from .checks import SurgeryError
-from .rewrite import find_modules
+from .walk import find_modules
 
 HOW_TO_GET_DOT = (
     "Graphviz's `dot` program draws the diagrams: install it with `apt-get install graphviz` (Debian/Ubuntu), "
@@ -196,7 +196,7 @@ def _local_weight(module: nn.Module) -> torch.Tensor | None:
 
 def _sharding(module: nn.Module) -> dict[str, str]:
     """Linear path -> colwise / rowwise, from the registered plans of `module` and its submodules."""
-    from .tensor_parallel import planned_modules
+    from .walk import planned_modules
 
     styles = {}
     for path, _, plan in planned_modules(module):
@@ -389,7 +389,7 @@ def block_graph(module: nn.Module, args: tuple = (), kwargs: dict | None = None,
 def default_module(model: nn.Module) -> str:
     """The module a diagram shows by default: the fused (or unfused) module with the most slices, else the first
     module with a tensor-parallel plan."""
-    from .tensor_parallel import planned_modules
+    from .walk import planned_modules
 
     found = find_modules(model, fused=True) or find_modules(model, fused=False)
     if found:
