@@ -8,6 +8,7 @@
 
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
+from .context_parallel import context_parallel
 from .loading import load_tensor_parallel
 from .lora import fuse_lora_state_dict, unfuse_lora_state_dict
 from .distributed import CollectiveCounter, run_on_cpu_ranks

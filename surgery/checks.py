@@ -22,7 +22,11 @@ def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
         for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
         if torch_hooks and getattr(module, name, None)
     ]
-    if getattr(module, "_diffusers_hook", None) is not None:
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and any(name.startswith("cp_") for name in getattr(registry, "hooks", {})):
+        kinds.append("diffusers context-parallel hooks (call surgery.tensor_parallel before surgery.context_parallel, "
+                     "on a model without them)")
+    elif registry is not None:
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:
         kinds.append("accelerate hooks (device_map or CPU offloading)")

@@ -1,0 +1,94 @@
+"""2-D meshes on 4 gloo ranks: TP x context parallelism (diffusers' Ulysses) and TP x FSDP2 training, vs one device.
+
+One spawned job runs every 4-rank check (see tests/two_d_worker.py); each test reads its part, on every rank.
+"""
+
+import functools
+import unittest
+
+import surgery
+import two_d_worker
+
+FP32_TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list[dict]:
+    return surgery.run_on_cpu_ranks(two_d_worker.run, 4)
+
+
+class TensorTimesContextParallel(unittest.TestCase):
+    def test_tp2_cp2_ulysses_forward_matches_the_fused_model(self):
+        config = two_d_worker.small_config("tp_wide")
+        layers = config["num_layers"] + config["num_single_layers"]
+        for rank, result in enumerate(results()):
+            r = result["tp_cp"]
+            self.assertLessEqual(r["tp2_cp2"], FP32_TOL, f"rank {rank}")
+            # q, k, v in and the output back per attention; TP's all-reduces; one gather of the output sequence
+            self.assertEqual(r["tp2_cp2_collectives"], {"all_to_all_single": 4 * layers,
+                                                        "all_reduce": 4 * config["num_layers"] +
+                                                        config["num_single_layers"],
+                                                        "all_gather_into_tensor": 1})
+
+    def test_cp4_alone_on_the_stock_fused_model(self):
+        for result in results():
+            self.assertLessEqual(result["tp_cp"]["cp4"], FP32_TOL)
+            self.assertNotIn("all_reduce", result["tp_cp"]["cp4_collectives"])
+
+    def test_calls_that_context_parallelism_would_get_wrong_are_refused(self):
+        expected = {
+            "kv_extract": r"called with \['kv_cache_mode'\]; KV-cache modes .* \(tensor parallelism alone "
+                          r"supports them\)",
+            "return_dict": r"with return_dict=False",
+            "flat_ids": r"'img_ids' has 2 dimensions \(16, 4\).*splits it along dim 1 only when it has 3",
+        }
+        for result in results():
+            for key, pattern in expected.items():
+                self.assertIsNotNone(result["tp_cp"]["calls"][key], key)
+                self.assertRegex(result["tp_cp"]["calls"][key], pattern)
+
+
+class TensorTimesFSDP2(unittest.TestCase):
+    def test_gradients_and_an_sgd_step_match_one_device(self):
+        for result in results():
+            r = result["training"]["sgd"]
+            self.assertGreater(r["changed"], 1e-3)  # the step moved the parameters
+            self.assertLessEqual(r["grads"], FP32_TOL)
+            self.assertLessEqual(r["params"], FP32_TOL)
+            # parameters sharded over both dimensions: FSDP2 on "dp" over TP's shards on "tp"
+            self.assertIn("(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["placements"])
+
+    def test_an_adamw_step_matches_loosely(self):
+        # Adam's first step is about lr * sign(g): gradient differences of ~1e-7 on near-zero gradients flip single
+        # updates of size lr, so only the absolute difference is bounded (by lr) here, not the relative error.
+        for result in results():
+            r = result["training"]["adamw"]
+            self.assertLessEqual(r["grads"], FP32_TOL)
+            self.assertLessEqual(r["max_abs_param_diff"], 2e-3)
+
+
+class Refusals(unittest.TestCase):
+    EXPECTED = {
+        "local_heads": r"'transformer_blocks.0.attn' holds 6 heads / TP 2 = 3 heads per tensor-parallel rank, which "
+                       r"ulysses_degree=2 cannot split evenly",
+        "mesh_3d": r"the mesh has 3 dimensions \(1, 2, 2\).*mesh\['cp'\]",
+        "no_cp_dim": r"no dimension named 'cp' \(names: \('dp', 'tp'\)\)",
+        "whole_2d": r"2 dimensions \(2, 2\).*Pass its context-parallel sub-mesh, mesh\['cp'\]",
+        "tp_mesh_as_cp": r"shares ranks with the tensor-parallel mesh",
+        "ring_on_cpu": r"ring_degree=2 needs an attention backend that returns the log-sum-exp.*'native' on a cpu mesh",
+        "degrees": r"ulysses_degree \(4\) x ring_degree \(1\) must equal the mesh size \(2\)",
+        "wrong_order": r"surgery.tensor_parallel: .*context-parallel hooks \(call surgery.tensor_parallel before "
+                       r"surgery.context_parallel",
+        "twice": r"already runs with a diffusers parallel config",
+    }
+
+    def test_each_refusal_names_the_fix_and_leaves_the_model_untouched(self):
+        # the worker asserts the model unchanged (modules, parameters, hooks, processors) after each refusal
+        for rank, result in enumerate(results()):
+            for key, pattern in self.EXPECTED.items():
+                self.assertIsNotNone(result["refusals"][key], f"{key} on rank {rank}")
+                self.assertRegex(result["refusals"][key], pattern)
+
+
+if __name__ == "__main__":
+    unittest.main()

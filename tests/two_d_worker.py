@@ -1,0 +1,204 @@
+"""What each of 4 gloo ranks runs for the 2-D mesh tests (TP x CP inference, TP x FSDP2 training, refusals).
+
+The TP x FSDP2 recipe is torchtitan's order and needs no surgery function: FSDP2's `fully_shard` takes parameters
+that are already DTensors on the "tp" dimension and shards them again over "dp".
+
+    mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
+    surgery.tensor_parallel(surgery.unfuse(model), mesh["tp"])
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for block in blocks:
+            fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import surgery
+from surgery.context_parallel import attention_processors
+from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
+from test_unfuse_equivalence import use_kv_processors
+
+
+def cp_inputs(config, seed, batch=2, image_tokens=16, text_tokens=8):
+    """Inputs as the pipelines pass them: ids with a batch dimension, which the model's `_cp_plan` splits."""
+    kw = inputs(config, seed, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens)
+    kw["img_ids"], kw["txt_ids"] = kw["img_ids"].unsqueeze(0), kw["txt_ids"].unsqueeze(0)
+    return kw
+
+
+def _forward(model, kw):
+    return model(**kw, return_dict=False)[0]
+
+
+def _full(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+# --- TP x CP inference -----------------------------------------------------------------------------------------------
+
+
+def check_tp_cp(mesh) -> dict:
+    """TP2 x CP2 (Ulysses) and CP4 alone (on the stock fused model) against the single-device fused model."""
+    config = small_config("tp_wide")
+    fused = build(config, 0)
+    kw = cp_inputs(config, 0)
+    result = {}
+    with torch.no_grad():
+        expected = _forward(fused, kw)
+        model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh["tp"])
+        surgery.context_parallel(model, mesh["cp"], ulysses_degree=2)
+        with surgery.CollectiveCounter() as counter:
+            result["tp2_cp2"] = rel_err(_forward(model, kw), expected)
+        result["tp2_cp2_collectives"] = dict(counter.counts)
+
+        alone = surgery.context_parallel(copy.deepcopy(fused), init_device_mesh("cpu", (4,), mesh_dim_names=("cp",)))
+        with surgery.CollectiveCounter() as counter:
+            result["cp4"] = rel_err(_forward(alone, kw), expected)
+        result["cp4_collectives"] = dict(counter.counts)
+    result["calls"] = check_call_refusals(model, config)
+    return result
+
+
+def check_call_refusals(model, config) -> dict:
+    """What the call-time guard refuses on a context-parallel model: KV-cache modes, a dataclass output, 2-D ids."""
+    out = {}
+    use_kv_processors(model)
+    extract = cp_inputs(config, 7)
+    calls = {
+        "kv_extract": lambda: model(**extract, kv_cache_mode="extract", num_ref_tokens=4, return_dict=False),
+        "return_dict": lambda: model(**cp_inputs(config, 7)),
+        "flat_ids": lambda: model(**inputs(config, 7, image_tokens=16), return_dict=False),
+    }
+    with torch.no_grad():
+        for key, call in calls.items():
+            try:
+                call()
+                out[key] = None
+            except surgery.SurgeryError as error:
+                out[key] = str(error)
+    return out
+
+
+# --- TP x FSDP2 training ---------------------------------------------------------------------------------------------
+
+
+def fully_shard_blocks(model, dp_mesh):
+    """torchtitan's `apply_fsdp` order: each transformer block, then the root."""
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _loss(model, kw, target):
+    return ((_forward(model, kw) - target) ** 2).mean()
+
+
+def _batch_slice(kw, index, parts):
+    """This data-parallel rank's share of the batch (ids are shared)."""
+    out = {}
+    for key, value in kw.items():
+        if isinstance(value, torch.Tensor) and key not in ("img_ids", "txt_ids"):
+            value = value.chunk(parts)[index]
+        out[key] = value
+    return out
+
+
+def train_step(model, kw, target, optimizer_cls, **optimizer_kw):
+    model.train()
+    model.enable_gradient_checkpointing()
+    optimizer = optimizer_cls(model.parameters(), **optimizer_kw)
+    loss = _loss(model, kw, target)
+    loss.backward()
+    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    return grads, params
+
+
+def check_training(mesh) -> dict:
+    """TP2 x FSDP2 (dp 2): one step with gradient checkpointing on, against the same step on one device."""
+    config = small_config("tp_wide")
+    base = surgery.unfuse(build(config, 3))
+    kw = inputs(config, 3, batch=2, image_tokens=16)
+    target = torch.randn(2, 16, config["in_channels"], generator=torch.Generator().manual_seed(4))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    local_kw, local_target = _batch_slice(kw, dp_rank, dp), target.chunk(dp)[dp_rank]
+    result = {}
+    for name, cls, opts in (("sgd", torch.optim.SGD, {"lr": 0.1}), ("adamw", torch.optim.AdamW, {"lr": 1e-3})):
+        ref_grads, ref_params = train_step(copy.deepcopy(base), kw, target, cls, **opts)
+        model = surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"])
+        fully_shard_blocks(model, mesh["dp"])
+        grads, params = train_step(model, local_kw, local_target, cls, **opts)
+        assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
+        result[name] = {
+            "grads": max(rel_err(grads[n], g) for n, g in ref_grads.items()),
+            "params": max(rel_err(params[n], p) for n, p in ref_params.items()),
+            "max_abs_param_diff": max((params[n] - p).abs().max().item() for n, p in ref_params.items()),
+            "changed": max((p - base.get_parameter(n).detach()).abs().max().item() for n, p in ref_params.items()),
+            "placements": sorted({str(p.placements) for p in model.parameters() if isinstance(p, DTensor)}),
+        }
+    return result
+
+
+# --- refusals --------------------------------------------------------------------------------------------------------
+
+
+def _untouched(model, snap) -> None:
+    assert_unchanged(model, snap)
+    assert getattr(model, "_diffusers_hook", None) is None
+    assert getattr(model, "_parallel_config", None) is None
+    for _, _, processor in attention_processors(model):
+        assert processor._parallel_config is None
+
+
+def refusal(fn, model, check=_untouched) -> str | None:
+    snap = snapshot(model)
+    try:
+        fn(model)
+    except surgery.SurgeryError as error:
+        check(model, snap)
+        return str(error)
+    return None
+
+
+def check_refusals(mesh) -> dict:
+    out = {}
+    cp = lambda m, **kw: surgery.context_parallel(m, mesh["cp"], **kw)  # noqa: E731
+    # dev_small: 6 heads; TP 2 leaves 3 per rank, which Ulysses 2 cannot split
+    six = small_config("dev_small")
+    out["local_heads"] = refusal(cp, surgery.tensor_parallel(surgery.unfuse(build(six)), mesh["tp"]))
+
+    grid3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+    model = surgery.tensor_parallel(surgery.unfuse(build(small_config("tp_wide"))), grid3["tp"])
+    out["mesh_3d"] = refusal(lambda m: surgery.context_parallel(m, grid3), model)
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out["no_cp_dim"] = refusal(lambda m: surgery.context_parallel(m, dp_tp), model)
+    out["whole_2d"] = refusal(lambda m: surgery.context_parallel(m, mesh), model)
+    out["tp_mesh_as_cp"] = refusal(lambda m: surgery.context_parallel(m, mesh["tp"]), model)
+    out["ring_on_cpu"] = refusal(lambda m: cp(m, ring_degree=2, ulysses_degree=1), model)
+    out["degrees"] = refusal(lambda m: cp(m, ulysses_degree=4), model)
+
+    # the wrong order: context parallelism first, then tensor parallelism refuses and changes nothing
+    first = surgery.context_parallel(surgery.unfuse(build(small_config("tp_wide"))), mesh["cp"])
+    out["wrong_order"] = refusal(lambda m: surgery.tensor_parallel(m, mesh["tp"]), first, check=assert_unchanged)
+    out["twice"] = refusal(lambda m: cp(m), first, check=assert_unchanged)
+    return out
+
+
+def run(rank: int, world: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    return {
+        "tp_cp": check_tp_cp(mesh),
+        "training": check_training(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
+        "refusals": check_refusals(mesh),
+    }
