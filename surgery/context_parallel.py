@@ -19,7 +19,6 @@ Order: tensor parallelism first. Ulysses splits the heads each TP rank holds, so
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 import torch.distributed as dist
@@ -259,18 +258,3 @@ def context_parallel(
     registry.register_hook(_guard_hook(model, plan), _GUARD)  # registered last, so it runs before the split hook
     model._parallel_config = config
     return model
-
-
-def ulysses_all_to_all_bytes(config: dict, tokens: int, tp: int, cp: int, batch: int = 1,
-                             element_size: int = 2) -> dict:
-    """On paper: the bytes one rank sends through Ulysses all-to-alls in one forward (q, k, v in; output back).
-
-    Each attention layer moves its local q, k, v and output, `batch * (tokens / cp) * (heads / tp) * head_dim`
-    elements each, of which (cp - 1) / cp leave the rank.
-    """
-    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-    layers = config.get("num_layers", 0) + config.get("num_single_layers", 0)
-    per_tensor = batch * math.ceil(tokens / cp) * (heads // tp) * head_dim * element_size
-    per_layer = 4 * per_tensor * (cp - 1) / cp
-    return {"layers": layers, "all_to_all_per_forward": 4 * layers, "bytes_per_layer": per_layer,
-            "bytes_per_forward": per_layer * layers}
