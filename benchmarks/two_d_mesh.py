@@ -88,7 +88,10 @@ def measured(args) -> list[dict]:
 
 
 def on_paper(args) -> list[dict]:
-    """FLUX.2-dev (48 heads) on 8 ranks, bf16, batch 1: what Ulysses moves next to TP's all-reduces, per forward."""
+    """FLUX.2-dev (48 heads) on 8 ranks, bf16, batch 1: what Ulysses moves next to TP's all-reduces, per forward.
+
+    Byte columns are each rank's collective input tensors; of an all-to-all's input, (cp - 1) / cp leaves the rank.
+    """
     rows = []
     resolutions = {"1024^2": 4096, "2048^2": 16384} if not args.smoke else {"1024^2": 4096}
     layouts = [(8, 1), (4, 2), (2, 4), (1, 8)] if not args.smoke else [(4, 2)]
@@ -101,7 +104,8 @@ def on_paper(args) -> list[dict]:
                 "model": "dev", "image": resolution, "tokens": image_tokens + 512, "TP": tp, "CP": cp,
                 "bytes / rank": render.mb(p["bytes_per_rank"]),
                 "all-to-alls": ops.get("all_to_all_single", 0),
-                "all-to-all / rank": render.mb(by_op.get("all_to_all_single", 0)),
+                "all-to-all input / rank": render.mb(by_op.get("all_to_all_single", 0)),
+                "leaves the rank": render.mb(by_op.get("all_to_all_single", 0) * (cp - 1) // cp),
                 "all-reduces": ops.get("all_reduce", 0), "all-reduce / rank": render.mb(by_op.get("all_reduce", 0)),
                 "all-gathers": ops.get("all_gather_into_tensor", 0),
             })
