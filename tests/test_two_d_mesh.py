@@ -1,4 +1,5 @@
-"""2-D meshes on 4 gloo ranks: TP x context parallelism (diffusers' Ulysses) and TP x FSDP2 training, vs one device.
+"""2-D meshes on 4 gloo ranks: TP x context parallelism (diffusers' Ulysses), TP x FSDP2 training (with and without
+PEFT LoRA), vs one device.
 
 One spawned job runs every 4-rank check (see tests/two_d_worker.py); each test reads its part, on every rank.
 """
@@ -65,6 +66,21 @@ class TensorTimesFSDP2(unittest.TestCase):
             r = result["training"]["adamw"]
             self.assertLessEqual(r["grads"], FP32_TOL)
             self.assertLessEqual(r["max_abs_param_diff"], 2e-3)
+
+
+class LoRAOnTensorTimesFSDP2(unittest.TestCase):
+    def test_peft_adapters_on_the_unfused_linears_train_like_one_device(self):
+        for result in results():
+            r = result["lora"]
+            self.assertGreater(r["adapters"], 0)
+            self.assertTrue(r["trainable"])  # only LoRA factors have gradients: base weights frozen
+            self.assertTrue(r["frozen_unchanged"])
+            self.assertGreater(r["changed"], 1e-4)
+            self.assertLessEqual(r["grads"], FP32_TOL)
+            self.assertLessEqual(r["params"], FP32_TOL)
+            # factors sharded with the base's style on "tp" (Shard(0) of B / Shard(1) of A), then FSDP2 on "dp"
+            self.assertIn("(Shard(dim=0), Shard(dim=1))", r["lora_placements"])
+            self.assertIn("(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["lora_placements"])
 
 
 class Refusals(unittest.TestCase):

@@ -150,6 +150,119 @@ def check_training(mesh) -> dict:
     return result
 
 
+# --- LoRA (PEFT) on TP x FSDP2 ---------------------------------------------------------------------------------------
+
+# every kind of sharded Linear of the first double and single block: column-sharded, row-sharded and all-reduced,
+# row-sharded with a partial output that joins the single block's one all-reduce
+LORA_TARGETS = (r"(transformer_blocks\.0\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|ff\.linear_\w+)|"
+                r"single_transformer_blocks\.0\.attn\.(to_[qkv]|to_out|mlp\.linear_\w+))")
+
+
+def lora_factors(model, rank: int = 2, seed: int = 5) -> dict:
+    """Seeded full-size factors `{path: (A [r, in], B [out, r])}` for every Linear LORA_TARGETS names (B nonzero, as
+    after some training, so that both factors get gradients)."""
+    import re
+
+    generator = torch.Generator().manual_seed(seed)
+    factors = {}
+    for path, module in model.named_modules():
+        if re.fullmatch(LORA_TARGETS, path) and isinstance(module, torch.nn.Linear):
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.1
+            factors[path] = (a, torch.randn(module.out_features, rank, generator=generator) * 0.1)
+    return factors
+
+
+def add_lora(model, factors: dict):
+    """PEFT LoRA adapters on the Linears `factors` names, base weights frozen, then the factors' values."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    rank = next(iter(factors.values()))[0].shape[0]
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=sorted(factors)), model)
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def set_lora(model, factors: dict):
+    with torch.no_grad():
+        for path, (a, b) in factors.items():
+            layer = model.get_submodule(path)
+            layer.lora_A["default"].weight.copy_(a)
+            layer.lora_B["default"].weight.copy_(b)
+    return model
+
+
+def shard_lora(model, mesh, factors: dict):
+    """The recipe for LoRA on a model sharded by `surgery.tensor_parallel`: each factor laid out by the base Linear's
+    stock style, with `factors` (full size, the same on every rank) as values.
+
+    Column-sharded base: A stays whole (its input is replicated), B takes the base's rows (`ColwiseParallel`, the
+    style itself). Row-sharded base: A takes the base's input columns (the base's own `RowwiseParallel`, so its
+    output is reduced the same way: all-reduced, or left `Partial` to join the block's single all-reduce), B stays
+    whole (a replicated DTensor when A's output stays a DTensor). PEFT 0.21 sizes a factor to the base weight's
+    local shard when the weight's mesh has named dims (transformers' TP); whole or local, each becomes the DTensor
+    it is a shard of.
+    """
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from surgery.tensor_parallel import planned_modules
+
+    def place(linear, full, dim):
+        shard = distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=None)
+        linear.weight = torch.nn.Parameter(shard, requires_grad=True)
+
+    for path, module, plan in planned_modules(model):
+        for key, style in plan.items():
+            full_path = f"{path}.{key}" if path and key else path or key
+            if full_path not in factors:
+                continue
+            layer = module.get_submodule(key)
+            a_full, b_full = factors[full_path]
+            a, b = layer.lora_A["default"], layer.lora_B["default"]
+            if isinstance(style, ColwiseParallel):
+                with torch.no_grad():
+                    a.weight = torch.nn.Parameter(a_full.clone())
+                place(b, b_full, 0)
+                parallelize_module(b, mesh, copy.copy(style))
+            elif isinstance(style, RowwiseParallel):
+                place(a, a_full, 1)
+                parallelize_module(a, mesh, copy.copy(style))
+                b.weight = torch.nn.Parameter(b_full.clone())
+                if not style.use_local_output:
+                    distribute_module(b, mesh)  # replicated: Partial in, Partial out
+    return model
+
+
+def check_lora(mesh) -> dict:
+    """LoRA on the unfused Linears of a TP2 x FSDP2 model: one SGD step (gradient checkpointing on) vs one device."""
+    config = small_config("tp_wide")
+    base = surgery.unfuse(build(config, 3))
+    kw = inputs(config, 3, batch=2, image_tokens=16)
+    target = torch.randn(2, 16, config["in_channels"], generator=torch.Generator().manual_seed(4))
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    factors = lora_factors(base)
+
+    reference = set_lora(add_lora(copy.deepcopy(base), factors), factors)
+    initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    ref_grads, ref_params = train_step(reference, kw, target, torch.optim.SGD, lr=0.1)
+
+    model = add_lora(surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"]), factors)
+    shard_lora(model, mesh["tp"], factors)
+    fully_shard_blocks(model, mesh["dp"])
+    grads, params = train_step(model, _batch_slice(kw, dp_rank, dp), target.chunk(dp)[dp_rank], torch.optim.SGD, lr=0.1)
+    frozen = [n for n in params if "lora_" not in n]
+    return {
+        "adapters": len(factors),
+        "trainable": sorted(grads) == sorted(ref_grads) and all("lora_" in n for n in grads),
+        "grads": max(rel_err(grads[n], g) for n, g in ref_grads.items()),
+        "params": max(rel_err(params[n], p) for n, p in ref_params.items()),
+        "frozen_unchanged": all(torch.equal(params[n], ref_params[n]) for n in frozen),
+        "changed": max((ref_params[n] - initial[n]).abs().max().item() for n in ref_grads),
+        "lora_placements": sorted({str(p.placements) for n, p in model.named_parameters() if "lora_" in n}),
+    }
+
+
 # --- refusals --------------------------------------------------------------------------------------------------------
 
 
@@ -197,8 +310,10 @@ def check_refusals(mesh) -> dict:
 
 def run(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     return {
         "tp_cp": check_tp_cp(mesh),
-        "training": check_training(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))),
+        "training": check_training(dp_tp),
+        "lora": check_lora(dp_tp),
         "refusals": check_refusals(mesh),
     }
