@@ -171,6 +171,20 @@ def validate(model: nn.Module, mesh: DeviceMesh, ulysses: int, ring: int, plan: 
     return plan
 
 
+def _agree(verdict: str | None) -> None:
+    """Every rank learns every rank's verdict before the first collective that builds groups, and all refuse at once
+    if one does (a rank that refused alone would leave the others waiting in the group creation)."""
+    if dist.get_backend() != "fake":  # the planner's fake process group carries no objects
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+        failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
+        if failed and verdict is None:
+            rank, message = failed[0]
+            raise SurgeryError(f"{message} (refused on rank {rank}; no rank changed the model)")
+    if verdict is not None:
+        raise SurgeryError(verdict)
+
+
 def _guarded(model: nn.Module) -> bool:
     registry = getattr(model, "_diffusers_hook", None)
     return registry is not None and any(name.startswith(("cp_", _GUARD)) for name in registry.hooks)
@@ -242,7 +256,12 @@ def context_parallel(
 
     mesh = _cp_mesh(mesh)
     ulysses, ring = _degrees(mesh.size(), ulysses_degree, ring_degree)
-    plan = validate(model, mesh, ulysses, ring, plan)
+    try:
+        plan = validate(model, mesh, ulysses, ring, plan)
+        verdict = None
+    except SurgeryError as error:
+        verdict = str(error)
+    _agree(verdict)
 
     # diffusers' config wants a ("ring", "ulysses") mesh; unflattening the given one keeps its ranks and groups.
     grid = mesh._unflatten(0, (ring, ulysses), ("ring", "ulysses"))

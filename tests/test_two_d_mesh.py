@@ -83,6 +83,41 @@ class LoRAOnTensorTimesFSDP2(unittest.TestCase):
             self.assertIn("(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["lora_placements"])
 
 
+class PlanOnMeta(unittest.TestCase):
+    """`surgery plan --tp 4 --cp 2 [--dp 2]`: full-size klein-4B on meta under the fake process group, in-process."""
+
+    def test_collectives_by_kind_and_bytes_match_the_arithmetic(self):
+        from rewrites.flux2 import CONFIGS
+        from surgery import inspect
+
+        config = CONFIGS["klein-4b"]
+        double, single = config["num_layers"], config["num_single_layers"]
+        p = inspect.plan(config, 4, cp=2)  # bf16, 4096 + 512 tokens
+        c = p["collectives"]
+        self.assertEqual(c["ops"], {"all_to_all_single": 4 * (double + single), "all_reduce": 4 * double + single,
+                                    "all_gather_into_tensor": 1})
+        # each all-to-all moves this rank's q, k, v or output: tokens / cp x heads / tp x head_dim, bf16
+        per_tensor = (4096 + 512) // 2 * (config["num_attention_heads"] // 4) * config["attention_head_dim"] * 2
+        self.assertEqual(c["bytes_by_op"]["all_to_all_single"], 4 * (double + single) * per_tensor)
+        self.assertEqual(p["tokens"]["per_rank"], 2304)
+
+        fsdp = inspect.plan(config, 4, cp=2, dp=2)
+        self.assertEqual(fsdp["collectives"]["fsdp_all_gathers"]["count"], double + single + 1)
+        self.assertAlmostEqual(fsdp["bytes_per_rank"] / p["bytes_per_rank"], 0.5, delta=0.01)
+
+    def test_cli(self):
+        import contextlib
+        import io
+
+        from surgery.cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(main(["plan", "--model", "klein-4b", "--tp", "4", "--cp", "2", "--dp", "2"]), 0)
+        self.assertIn("mesh (dp, cp, tp) = (2, 2, 4): 2304 tokens per rank", out.getvalue())
+        self.assertRegex(out.getvalue(), r"all_to_all_single: 100 per forward, [\d,.]+ MiB")
+
+
 class Refusals(unittest.TestCase):
     EXPECTED = {
         "local_heads": r"'transformer_blocks.0.attn' holds 6 heads / TP 2 = 3 heads per tensor-parallel rank, which "
@@ -97,6 +132,12 @@ class Refusals(unittest.TestCase):
                        r"surgery.context_parallel",
         "twice": r"already runs with a diffusers parallel config",
     }
+
+    def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(self):
+        for rank, result in enumerate(results()):
+            self.assertRegex(result["refusals"]["one_rank"], r"6 heads / TP 2 = 3 heads per tensor-parallel rank")
+            if rank:
+                self.assertRegex(result["refusals"]["one_rank"], r"refused on rank 0; no rank changed the model")
 
     def test_each_refusal_names_the_fix_and_leaves_the_model_untouched(self):
         # the worker asserts the model unchanged (modules, parameters, hooks, processors) after each refusal

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -274,8 +275,26 @@ def _untouched(model, snap) -> None:
         assert processor._parallel_config is None
 
 
+def _untouched_locally(model, snap) -> None:
+    """`_untouched` without collectives (comparing DTensors would run some, and here the ranks' models differ)."""
+    modules, params = snap
+    assert [(name, id(m), type(m)) for name, m in model.named_modules()] == modules
+    for name, param in model.named_parameters():
+        assert id(param) == params[name][0] and torch.equal(_local(param.detach()), params[name][1]), name
+    assert getattr(model, "_diffusers_hook", None) is None and getattr(model, "_parallel_config", None) is None
+
+
+def _local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_snapshot(model) -> tuple:
+    modules = [(name, id(m), type(m)) for name, m in model.named_modules()]
+    return modules, {name: (id(p), _local(p.detach()).clone()) for name, p in model.named_parameters()}
+
+
 def refusal(fn, model, check=_untouched) -> str | None:
-    snap = snapshot(model)
+    snap = _local_snapshot(model) if check is _untouched_locally else snapshot(model)
     try:
         fn(model)
     except surgery.SurgeryError as error:
@@ -290,6 +309,10 @@ def check_refusals(mesh) -> dict:
     # dev_small: 6 heads; TP 2 leaves 3 per rank, which Ulysses 2 cannot split
     six = small_config("dev_small")
     out["local_heads"] = refusal(cp, surgery.tensor_parallel(surgery.unfuse(build(six)), mesh["tp"]))
+    # only rank 0's model is refused: every rank refuses together, before any group is built
+    mine = six if dist.get_rank() == 0 else small_config("tp_wide")
+    out["one_rank"] = refusal(cp, surgery.tensor_parallel(surgery.unfuse(build(mine)), mesh["tp"], src_data_rank=None),
+                              check=_untouched_locally)
 
     grid3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     model = surgery.tensor_parallel(surgery.unfuse(build(small_config("tp_wide"))), grid3["tp"])
