@@ -9,10 +9,17 @@
     # CPU, gloo (slow; for checking the plumbing)
     torchrun --nproc-per-node 2 examples/flux2_klein_tp.py --device cpu --steps 1 --height 256 --width 256
 
+    # 2-D: tensor parallel 4 x context parallel 2 (diffusers' Ulysses attention splits the sequence over "cp")
+    torchrun --nproc-per-node 8 examples/flux2_klein_tp.py --device cuda --cp 2 --height 2048 --width 2048
+
 Each rank reads only its own slices of the transformer's safetensors (`surgery.load_tensor_parallel`): no rank ever
 holds the whole transformer, and no weight collective runs. `--full-load` instead loads the whole pipeline on every
 rank's host and shards it with `surgery.unfuse` + `surgery.tensor_parallel(..., src_data_rank=None)`. The text
 encoder and VAE are replicated. Rank 0 saves the image.
+
+`--cp N` lays the ranks out as a `("cp", "tp")` mesh of N x world/N: the transformer is sharded over "tp" as above,
+then `surgery.context_parallel(transformer, mesh["cp"])` splits the image and text tokens over "cp" with diffusers'
+Ulysses attention (the heads each TP rank holds must divide by N).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--out", default="flux2_klein_tp.png")
     parser.add_argument("--full-load", action="store_true", help="load everything on each host, then shard")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel (Ulysses) size; TP is world / cp")
     return parser.parse_args()
 
 
@@ -65,7 +73,9 @@ def main() -> None:
     import surgery
 
     dtype = getattr(torch, args.dtype)
-    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("tp",))
+    if args.cp < 1 or world % args.cp:
+        raise SystemExit(f"--cp {args.cp} does not divide the {world} ranks")
+    mesh = init_device_mesh(args.device, (args.cp, world // args.cp), mesh_dim_names=("cp", "tp"))
 
     if rank == 0 and not os.path.isdir(args.model):
         snapshot_download(args.model)  # once, into the local cache every rank then reads from
@@ -80,9 +90,13 @@ def main() -> None:
     else:
         transformer = surgery.load_tensor_parallel(Flux2Transformer2DModel, folder, mesh["tp"], dtype=dtype)
         pipe = Flux2KleinPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=dtype)
+    if args.cp > 1:
+        surgery.context_parallel(pipe.transformer, mesh["cp"])  # after tensor_parallel: Ulysses splits local heads
     pipe.to(device)
     if rank == 0:
-        print(f"loaded, unfused and sharded over {world} {args.device} ranks in {time.perf_counter() - started:.1f}s")
+        layout = f"cp {args.cp} x tp {world // args.cp}" if args.cp > 1 else f"tp {world}"
+        print(f"loaded, unfused and sharded over {world} {args.device} ranks ({layout}) in "
+              f"{time.perf_counter() - started:.1f}s")
 
     generator = torch.Generator("cpu").manual_seed(args.seed)  # same noise on every rank
     started = time.perf_counter()

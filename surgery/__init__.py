@@ -11,6 +11,7 @@ Test helpers (rel_err, CollectiveCounter, run_on_cpu_ranks, seeded models, diffu
 
 from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
+from .context_parallel import context_parallel
 from .loading import load_tensor_parallel
 from .lora import fuse_lora_state_dict, lora_target_modules, stock_lora_adapter, unfuse_lora_state_dict
 from .registry import Family, Rewrite, families, register, register_family, register_tp_plan, registered, tp_plans
@@ -25,6 +26,7 @@ __all__ = [
     "unfuse",
     "fuse",
     "tensor_parallel",
+    "context_parallel",
     "load_tensor_parallel",
     "convert_checkpoint",
     "last_report",

@@ -35,7 +35,11 @@ def _foreign_hooks(module: nn.Module, name: str) -> list:
 
 def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
     kinds = [name for name in _MODULE_HOOKS + _STATE_DICT_HOOKS if torch_hooks and _foreign_hooks(module, name)]
-    if getattr(module, "_diffusers_hook", None) is not None:
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and any(name.startswith("cp_") for name in getattr(registry, "hooks", {})):
+        kinds.append("diffusers context-parallel hooks (call surgery.tensor_parallel before surgery.context_parallel, "
+                     "on a model without them)")
+    elif registry is not None:
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:
         kinds.append("accelerate hooks (device_map or CPU offloading)")

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_arguments(plan, names)
     plan.add_argument("--tp", type=_positive, required=True, help="tensor-parallel size")
+    plan.add_argument("--cp", type=_positive, default=1, help="context-parallel (Ulysses) size (default 1)")
+    plan.add_argument("--dp", type=_positive, default=1, help="FSDP2 data-parallel size (default 1)")
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     plan.add_argument("--image-tokens", type=_positive, default=4096, help="default 4096 (a 1024x1024 image)")
     plan.add_argument("--text-tokens", type=_positive, default=512)
@@ -204,11 +206,13 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         print(render.text_table(rows))
         return 0
     result = inspect.plan(config, args.tp, family=family, dtype=getattr(torch, args.dtype),
-                          image_tokens=args.image_tokens, text_tokens=args.text_tokens)
+                          image_tokens=args.image_tokens, text_tokens=args.text_tokens, cp=args.cp, dp=args.dp)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
     else:
         print(render.plan_text(name, result))
+        if args.cp > 1 or args.dp > 1:
+            print(_mesh_lines(result))
     return 0
 
 
@@ -247,6 +251,19 @@ def _explore(args: argparse.Namespace) -> int:
                     host=args.host, port=args.port)
     print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})")
     return 0
+
+
+def _mesh_lines(result: dict) -> str:
+    """What `plan --cp/--dp` adds to the report: the mesh, tokens per rank, and bytes by collective kind."""
+    c = result["collectives"]
+    lines = [f"mesh (dp, cp, tp) = ({result['dp']}, {result['cp']}, {result['tp']}): "
+             f"{result['tokens']['per_rank']} tokens per rank (Ulysses over cp, FSDP2 over dp)"]
+    lines += [f"  {op}: {c['ops'][op]} per forward, {c['bytes_by_op'][op] / 2**20:,.1f} MiB of input tensors per rank"
+              for op in sorted(c["ops"])]
+    if "fsdp_all_gathers" in c:
+        lines.append(f"  (FSDP2's {c['fsdp_all_gathers']['count']} all-gathers are counted on paper: one per block "
+                     "and one for the root; its forward refuses meta parameters)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

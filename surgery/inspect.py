@@ -116,9 +116,10 @@ class _Recorder(CollectiveCounter):
         before = self.total
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.total != before:
-            shape = tuple(args[0].shape) if args and isinstance(args[0], torch.Tensor) else ()
+            first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            shape = tuple(first.shape) if first is not None else ()
             self.events.append({"kind": "collective", "op": func.__name__.split(".")[0], "block": self.block,
-                                "shape": shape})
+                                "shape": shape, "bytes": first.nbytes if first is not None else 0})
         return out
 
 
@@ -164,10 +165,14 @@ def collectives_by_block(model: nn.Module, **inputs) -> dict:
         kind = block_kind(event["block"]) if event["block"] else "outside blocks"
         counts[kind] = counts.get(kind, 0) + 1
         per_kind.setdefault(kind, set()).add(event["block"])
+    bytes_by_op: dict[str, int] = {}
+    for event in events:
+        bytes_by_op[event["op"]] = bytes_by_op.get(event["op"], 0) + event.get("bytes", 0)
     return {
         "total": recorder.total,
         "bytes": recorder.bytes,
         "ops": dict(recorder.counts),
+        "bytes_by_op": bytes_by_op,
         "per_block": {kind: counts[kind] // max(len(per_kind[kind]), 1) for kind in counts},
     }
 
@@ -282,13 +287,19 @@ def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
 
 
 def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: torch.dtype = torch.bfloat16,
-         image_tokens: int = 4096, text_tokens: int = 512, batch: int = 1) -> dict:
+         image_tokens: int = 4096, text_tokens: int = 512, batch: int = 1, cp: int = 1, dp: int = 1) -> dict:
     """The exact per-rank layout and memory of a model at tensor-parallel size `tp`, on one CPU, allocating nothing.
 
     `model` is a `--model` name (`"flux2-klein-9b"`, `"flux1-dev"`, ...) or a config dict of `family`'s model class.
     Builds the model on meta, unfuses and shards it under the fake process group, and runs one meta forward at
     `image_tokens` + `text_tokens` (1024x1024 is 4096 image tokens) to count the collectives and their bytes.
+    `cp` > 1 adds diffusers' Ulysses context parallelism (`surgery.context_parallel`) over a "cp" dimension, `dp` > 1
+    FSDP2 (`fully_shard` per block, then the root) over a "dp" dimension: a `(dp, cp, tp)` mesh.
     """
+    if cp > 1 or dp > 1:
+        family, config = resolve_config(model, family)
+        return _plan_2d(family, config, tp, cp, dp, dtype=dtype, image_tokens=image_tokens, text_tokens=text_tokens,
+                        batch=batch)
     from torch.distributed.device_mesh import init_device_mesh
 
     from .rewrite import unfuse
@@ -377,3 +388,71 @@ def check_config(family: Family, config: dict) -> None:
             key.startswith("num_") or key.endswith(("_dim", "_heads", "channels"))
         ):
             raise SurgeryError(f"{family.name}: config {key}={value}; it must be at least 1.")
+
+
+def _plan_2d(family: Family, config: dict, tp: int, cp: int, dp: int, *, dtype: torch.dtype, image_tokens: int,
+             text_tokens: int, batch: int) -> dict:
+    """`plan` on a `(dp, cp, tp)` mesh: TP over "tp", then Ulysses over "cp", then FSDP2 over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .checks import SurgeryError
+    from .context_parallel import context_parallel
+    from .rewrite import unfuse
+    from .tensor_parallel import tensor_parallel
+
+    for what, count in (("image", image_tokens), ("text", text_tokens)):
+        if count % cp:
+            raise SurgeryError(f"plan: {count} {what} tokens do not split over cp={cp}; use a multiple of {cp}.")
+    with fake_process_group(dp * cp * tp):
+        model = model_on_meta(family, config, dtype)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        mesh = init_device_mesh("cpu", (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        unfuse(model)
+        if tp > 1:
+            tensor_parallel(model, mesh["tp"], src_data_rank=None)
+        if cp > 1:
+            context_parallel(model, mesh["cp"])
+        inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
+                                       dtype=dtype, device="meta")
+        for key in ("img_ids", "txt_ids"):  # diffusers' _cp_plans split position ids with a batch dim (3-D)
+            if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() == 2:
+                inputs[key] = inputs[key].unsqueeze(0)
+        collectives = collectives_by_block(model, **inputs, return_dict=False)
+        if dp > 1:
+            units = [block for child in model.children() if isinstance(child, nn.ModuleList) for block in child]
+            for block in units:
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            _add_fsdp_all_gathers(collectives, model, units)
+        layout = tp_layout(model)
+    heads = config.get("num_attention_heads")
+    return {
+        "tp": tp, "cp": cp, "dp": dp,
+        "dtype": str(dtype).removeprefix("torch."),
+        "parameters": sum(torch.Size(r["global shape"]).numel() for r in layout),
+        "model_bytes": total,
+        "bytes_per_rank": sum(r["bytes"] for r in layout),
+        "replicated_bytes": sum(r["bytes"] for r in layout if not r["sharded"]),
+        "sharded_bytes": sum(r["bytes"] * tp * dp for r in layout if r["sharded"]),
+        "layout": layout,
+        "collectives": collectives,
+        "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch,
+                   "per_rank": (image_tokens + text_tokens) // cp},
+        "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if heads else None,
+    }
+
+
+def _add_fsdp_all_gathers(collectives: dict, model: nn.Module, units: list[nn.Module]) -> None:
+    """FSDP2's forward collectives, on paper (its forward refuses meta parameters): one all-gather per sharded unit
+    (each block, then the root's own parameters), each rank contributing its shard of the unit."""
+    inner = {id(p) for unit in units for p in unit.parameters()}
+    shards = [sum(local(p).nbytes for p in unit.parameters()) for unit in units]
+    shards.append(sum(local(p).nbytes for p in model.parameters() if id(p) not in inner))
+    gathers = [b for b in shards if b]
+    ops, by_op = collectives["ops"], collectives["bytes_by_op"]
+    ops["all_gather_into_tensor"] = ops.get("all_gather_into_tensor", 0) + len(gathers)
+    by_op["all_gather_into_tensor"] = by_op.get("all_gather_into_tensor", 0) + sum(gathers)
+    collectives["total"] += len(gathers)
+    collectives["bytes"] += sum(gathers)
+    collectives["fsdp_all_gathers"] = {"count": len(gathers), "bytes": sum(gathers)}
