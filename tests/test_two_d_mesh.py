@@ -134,10 +134,11 @@ class Refusals(unittest.TestCase):
     }
 
     def test_a_refusal_on_one_rank_is_a_refusal_on_every_rank(self):
+        # ranks 0 and 1 (the first CP rank of each CP group) hold the model Ulysses cannot split; 2 and 3 do not
         for rank, result in enumerate(results()):
             self.assertRegex(result["refusals"]["one_rank"], r"6 heads / TP 2 = 3 heads per tensor-parallel rank")
-            if rank:
-                self.assertRegex(result["refusals"]["one_rank"], r"refused on rank 0; no rank changed the model")
+            if rank >= 2:
+                self.assertRegex(result["refusals"]["one_rank"], r"refused on rank 0; no rank changed the model")  # CP-local
 
     def test_each_refusal_names_the_fix_and_leaves_the_model_untouched(self):
         # the worker asserts the model unchanged (modules, parameters, hooks, processors) after each refusal

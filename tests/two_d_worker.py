@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -310,8 +309,9 @@ def check_refusals(mesh) -> dict:
     # dev_small: 6 heads; TP 2 leaves 3 per rank, which Ulysses 2 cannot split
     six = small_config("dev_small")
     out["local_heads"] = refusal(cp, surgery.tensor_parallel(surgery.unfuse(build(six)), mesh["tp"]))
-    # only rank 0's model is refused: every rank refuses together, before any group is built
-    mine = six if dist.get_rank() == 0 else small_config("tp_wide")
+    # only the first CP rank's models are refused (ranks 0 and 1, one TP group, which must hold the same model to
+    # pass tensor_parallel's own agreement): every rank refuses together, before any group is built
+    mine = six if mesh["cp"].get_local_rank() == 0 else small_config("tp_wide")
     out["one_rank"] = refusal(cp, surgery.tensor_parallel(surgery.unfuse(build(mine)), mesh["tp"], src_data_rank=None),
                               check=_untouched_locally)
 
