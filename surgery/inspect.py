@@ -456,3 +456,14 @@ def _add_fsdp_all_gathers(collectives: dict, model: nn.Module, units: list[nn.Mo
     collectives["total"] += len(gathers)
     collectives["bytes"] += sum(gathers)
     collectives["fsdp_all_gathers"] = {"count": len(gathers), "bytes": sum(gathers)}
+
+
+def explore(model: nn.Module, inputs: dict, **kwargs) -> dict:
+    """Open Google's Model Explorer on one block of `model` with the plan's overlays (see `surgery.explore.explore`).
+
+    Here so that a notebook that inspects a model finds it beside the tables; imported on call (it draws on
+    `surgery.diagram`, which reads this module).
+    """
+    from .explore import explore as open_explorer
+
+    return open_explorer(model, inputs, **kwargs)

@@ -273,6 +273,19 @@ class Commands(unittest.TestCase):
         self.assertFalse(os.path.exists("/tmp/never.svg"))
 
     @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
+    def test_explore_from_inspect_in_a_notebook(self):
+        from rewrites.flux2 import FAMILY
+
+        config = FAMILY.test_configs["tp_wide"]
+        model = surgery.inspect.model_on_meta(FAMILY, config)
+        inputs = FAMILY.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
+        with tempfile.TemporaryDirectory() as tmp:
+            files = surgery.inspect.explore(model, inputs, tp=2, out_dir=tmp, serve=False)
+            self.assertTrue(os.path.exists(files["graphs"]))
+            self.assertEqual(len(files["node_data"]), 3)  # placement, bytes per rank, all-reduce bytes
+            self.assertTrue(all(os.path.exists(path) for path in files["node_data"].values()))
+
+    @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
     def test_explore_files(self):
         with tempfile.TemporaryDirectory() as tmp:
             code, out, err = run("explore", "--config", self.config, "--out", tmp, "--no-serve")
