@@ -26,6 +26,7 @@ __all__ = [
     "diffusers_packed_tp",
     "example_inputs",
     "family_of",
+    "keep_attention_backend",
     "rel_err",
     "run_on_cpu_ranks",
     "seeded_model",
@@ -73,6 +74,14 @@ def diffusers_packed_tp(model: nn.Module, mesh, plan: dict | None = None) -> nn.
     with mock.patch.object(dtp, "_SUPPORTED_TP_DEVICES", supported):
         dtp.apply_tensor_parallel(model, config, plan if plan is not None else model._tp_plan)
     return model
+
+
+def keep_attention_backend(test) -> None:
+    """Restore diffusers' process-wide active attention backend when `test` ends: `ModelMixin.set_attention_backend`
+    sets it for every model in the process, not only the one it is called on."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    test.addCleanup(_AttentionBackendRegistry.set_active_backend, _AttentionBackendRegistry.get_active_backend()[0])
 
 
 @contextlib.contextmanager

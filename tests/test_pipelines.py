@@ -12,7 +12,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName
 import pipeline_testing as P
 import pipeline_worker
 import surgery
-from surgery.testing import run_on_cpu_ranks
+from surgery.testing import keep_attention_backend, run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
 
 FP32_TOL = 1e-5
@@ -100,6 +100,7 @@ class Compile(unittest.TestCase):
 
 class AttentionBackends(unittest.TestCase):
     def test_every_backend_available_here(self):
+        keep_attention_backend(self)
         config = small_config("klein4b_small")
         fused = build(config, 2)
         unfused = surgery.unfuse(copy.deepcopy(fused))

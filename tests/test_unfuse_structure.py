@@ -14,6 +14,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 from parameterized import parameterized
 
 import surgery
+from surgery.testing import keep_attention_backend
 from flux2_testing import build, small_config
 from rewrites.flux2 import (
     CONFIGS,
@@ -117,6 +118,7 @@ class KeepsWhatUsersRelyOn(unittest.TestCase):
         self.assertTrue(all(m.training for m in model.modules()))
 
     def test_processors_translate_and_keep_their_backend(self):
+        keep_attention_backend(self)
         model = build(small_config("klein4b_small"))
         model.set_attention_backend("native")
         surgery.unfuse(model)
