@@ -25,7 +25,7 @@ import math
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention_processor import AttnProcessor2_0
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
     HunyuanVideoIndividualTokenRefinerBlock,
@@ -57,6 +57,10 @@ REWRITES = (
                  children={"attn": PROCESSORS}),
     swap_rewrite("hunyuan_video.token_refiner_block", HunyuanVideoIndividualTokenRefinerBlock,
                  children={"attn": REFINER_PROCESSORS}),
+    # an attention given a stock processor after unfuse (set_attn_processor): found, refused by tensor_parallel as
+    # still fused, and swapped by the next unfuse. (Not for the refiner's generic AttnProcessor2_0, which every
+    # diffusers `Attention` may run: a refiner attention given it back stays whole under tensor_parallel.)
+    swap_rewrite("hunyuan_video.attention", Attention, processors=PROCESSORS),
 )
 
 # --- tensor-parallel plans ----------------------------------------------------------------------------------------
