@@ -66,10 +66,8 @@ class SplitAdapter(unittest.TestCase):
         config = small_config("klein9b_small")
         base = build(config, 3)
         slices = surgery.key_map(base)
-        targets = ["single_transformer_blocks.1.attn.to_q", "single_transformer_blocks.1.attn.to_k",
-                   "single_transformer_blocks.1.attn.to_v", "single_transformer_blocks.1.attn.to_qkv_mlp_proj.gate",
-                   "single_transformer_blocks.1.attn.to_qkv_mlp_proj.up", "single_transformer_blocks.1.attn.to_out",
-                   "single_transformer_blocks.1.attn.to_out.mlp_part"]
+        targets = [f"single_transformer_blocks.1.attn.to_qkv_mlp_proj.{p}" for p in ("q", "k", "v", "gate", "up")] + [
+            "single_transformer_blocks.1.attn.to_out.attn_part", "single_transformer_blocks.1.attn.to_out.mlp_part"]
         unfused = with_random_lora(surgery.unfuse(copy.deepcopy(base)), targets, 4)  # independent factors per part
         joined = surgery.fuse_lora_state_dict(get_peft_model_state_dict(unfused), slices)
         self.assertEqual(joined["single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_A.weight"].shape[0], 4 * 5)
