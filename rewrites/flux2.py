@@ -46,7 +46,7 @@ def _qkv_mlp_parts(m: nn.Module) -> list[tuple[str, int]]:
 
 
 def _gate_up_parts(m: nn.Module) -> list[tuple[str, int]]:
-    hidden = m.linear_in.out_features // 2
+    hidden = m.linear_out.in_features
     return [("gate", hidden), ("up", hidden)]
 
 

@@ -41,7 +41,7 @@ PROCESSORS = Processors((Flux3AttnProcessor,))
 
 
 def _gate_up(ff: nn.Module) -> list[tuple[str, int]]:
-    hidden = ff.linear_in.out_features // 2
+    hidden = ff.linear_out.in_features
     return [("gate", hidden), ("up", hidden)]
 
 
@@ -157,9 +157,11 @@ def example_inputs(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> dict:
-    """Seeded keyword arguments for `Flux3Transformer2DModel.forward` (text-to-image: no reference image tokens)."""
+    """Seeded keyword arguments for `Flux3Transformer2DModel.forward`, image-to-image: reference image tokens (half as
+    many as the image's) pass through their own mode blocks, so every parameter takes part."""
     generator = torch.Generator().manual_seed(seed)
     axes = len(config.get("axes_dims_rope", (32, 32, 32, 32)))
+    cond_tokens = max(1, image_tokens // 2)
     inputs = dict(
         hidden_states=torch.randn(batch, image_tokens, config.get("in_channels", 128), generator=generator),
         encoder_hidden_states=torch.randn(batch, text_tokens, config.get("joint_attention_dim", 20480),
@@ -167,9 +169,12 @@ def example_inputs(
         timestep=torch.rand(batch, generator=generator),
         img_ids=torch.randint(0, 64, (image_tokens, axes), generator=generator),
         txt_ids=torch.randint(0, 64, (text_tokens, axes), generator=generator),
+        image_cond_hidden_states=torch.randn(batch, cond_tokens, config.get("cond_in_channels", 128),
+                                             generator=generator),
+        image_cond_ids=torch.randint(0, 64, (cond_tokens, axes), generator=generator),
         target_timestep=torch.rand(batch, generator=generator) if config.get("flow_map", False) else None,
     )
-    floating = {"hidden_states", "encoder_hidden_states", "timestep", "target_timestep"}
+    floating = {"hidden_states", "encoder_hidden_states", "timestep", "target_timestep", "image_cond_hidden_states"}
     return {
         k: None if v is None else v.to(device=device, dtype=dtype if k in floating else v.dtype)
         for k, v in inputs.items()
@@ -210,9 +215,9 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     tp_when=TP_WHEN,
-    # per block (text-mode and image-mode blocks; reference-image blocks only run with reference tokens, which
-    # example_inputs does not pass; joint single blocks): attention out + feed-forward out
-    all_reduces=lambda config: 2 * (2 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
+    # per block (text-, image- and reference-image-mode blocks, as example_inputs passes reference tokens; joint
+    # single blocks): attention out + feed-forward out. Without reference tokens: 2 * (2 * num_layers + single).
+    all_reduces=lambda config: 2 * (3 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
     test_configs=TEST_CONFIGS,
     reduced=reduced,
 )

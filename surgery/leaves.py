@@ -101,8 +101,8 @@ class Leaf:
 
     def slices(self, module: nn.Module) -> list[Slice]:
         child = self.child(module)
-        if self.kind == "rows":
-            return split_rows_slices(self.name, child, None if isinstance(child, SplitRows) else self.parts(module))
+        if self.kind == "rows":  # the module's declared sizes, either form: a resized part is caught by the engine
+            return split_rows_slices(self.name, child, self.parts(module))
         return split_projection_slices(self.name, child, attn_features=self.parts(module)[0][1])
 
     def other_form(self, module: nn.Module) -> nn.Module:

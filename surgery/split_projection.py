@@ -122,11 +122,11 @@ class SplitRows(nn.Module):
 
 def split_rows_slices(name: str, module: nn.Module, parts: list[tuple[str, int]] | None = None) -> list[Slice]:
     """The slices between a fused `nn.Linear` called `name` and its `SplitRows` (rows, in the parts' order).
-    `module` is either form; for the fused `nn.Linear`, `parts` gives the parts' names and sizes."""
-    if isinstance(module, SplitRows):
-        parts, bias = module.parts(), module.has_bias
-    else:
-        bias = module.bias is not None
+    `module` is either form; `parts` gives the parts' names and sizes (required for the fused `nn.Linear`; for a
+    `SplitRows`, its own sizes where not given)."""
+    if parts is None:
+        parts = module.parts()
+    bias = module.has_bias if isinstance(module, SplitRows) else module.bias is not None
     named = [(f"{name}.{part}", size) for part, size in parts]
     return row_slices(name, named, "weight") + (row_slices(name, named, "bias") if bias else [])
 

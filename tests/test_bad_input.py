@@ -62,23 +62,30 @@ class Refusals(unittest.TestCase):
         self.model.single_transformer_blocks[1].attn.mlp_hidden_dim += 8
         self.assert_refused(rf"'{SINGLE}.to_qkv_mlp_proj.weight' has shape \(432, 48\), but .* give 448 along dim 0")
 
-    def test_custom_processor(self):
-        class MyProcessor:
-            def __call__(self, attn, hidden_states, **kw):
-                return attn.to_out(hidden_states)
+    def test_custom_processor_is_kept_and_runs_on_the_leaves(self):
+        class MyProcessor:  # written for the stock module: calls its fused Linears
+            def __call__(self, attn, hidden_states, *args, **kw):
+                return attn.to_out(attn.to_qkv_mlp_proj(hidden_states)[..., : attn.to_out.in_features])
 
-        self.model.single_transformer_blocks[0].attn.set_processor(MyProcessor())
-        self.assert_refused(r"custom attention processor MyProcessor")
+        attn = self.model.single_transformer_blocks[0].attn
+        attn.set_processor(processor := MyProcessor())
+        x = torch.randn(2, 5, attn.query_dim)
+        with torch.no_grad():
+            expected = attn(x)
+            surgery.unfuse(self.model)
+            attn = self.model.single_transformer_blocks[0].attn
+            self.assertIs(attn.processor, processor)
+            torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-6)
 
     def test_fuse_parts_that_disagree(self):
         surgery.unfuse(self.model)
-        self.model.single_transformer_blocks[1].attn.to_k.requires_grad_(False)
+        self.model.single_transformer_blocks[1].attn.to_qkv_mlp_proj.k.requires_grad_(False)
         self.assert_refused(rf"the parts of '{SINGLE}.to_qkv_mlp_proj.weight' differ in requires_grad", surgery.fuse)
 
     def test_fuse_a_resized_part(self):
         surgery.unfuse(self.model)
-        self.model.transformer_blocks[0].ff.linear_up = nn.Linear(48, 100, bias=False)
-        self.assert_refused(r"'transformer_blocks.0.ff.linear_up.weight' has shape \(100, 48\)", surgery.fuse)
+        self.model.transformer_blocks[0].ff.linear_in.up = nn.Linear(48, 100, bias=False)
+        self.assert_refused(r"'transformer_blocks.0.ff.linear_in.up.weight' has shape \(100, 48\)", surgery.fuse)
 
     def test_failure_midway_rolls_back(self):
         convert, calls = surgery.rewrite._convert, []
