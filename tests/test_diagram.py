@@ -72,7 +72,8 @@ class Reduction(unittest.TestCase):
         self.assertEqual(sorted(projections(g)), ["to_out", "to_qkv_mlp_proj"])
         self.assertTrue(all(p.sharding == "fused" for p in projections(g).values()))
         self.assertEqual(projections(g)["to_qkv_mlp_proj"].storage,
-                         "fused: to_q, to_k, to_v, mlp.linear_gate, mlp.linear_up (5 row views)")
+                         "fused: to_qkv_mlp_proj.q, to_qkv_mlp_proj.k, to_qkv_mlp_proj.v, to_qkv_mlp_proj.gate, "
+                         "to_qkv_mlp_proj.up (5 row views)")
         self.assertIn("cat", [n.label for n in g.nodes if n.kind == "join"])
         self.assertEqual((g.count("attention"), g.count("norm"), g.count("activation"), g.count("collective")),
                          (1, 2, 1, 0))
@@ -83,20 +84,19 @@ class Reduction(unittest.TestCase):
     def test_unfused_block(self):
         g = self.unfused
         p = projections(g)
-        self.assertEqual(sorted(p), sorted(["to_q", "to_k", "to_v", "to_out", "mlp.linear_gate", "mlp.linear_up",
-                                            "mlp.linear_out"]))
+        rows = [f"to_qkv_mlp_proj.{part}" for part in ("q", "k", "v", "gate", "up")]
+        self.assertEqual(sorted(p), sorted(rows + ["to_out.attn_part", "to_out.mlp_part"]))
         self.assertEqual({k: v.sharding for k, v in p.items()},
-                         {"to_q": "colwise", "to_k": "colwise", "to_v": "colwise", "mlp.linear_gate": "colwise",
-                          "mlp.linear_up": "colwise", "to_out": "rowwise", "mlp.linear_out": "rowwise"})
-        self.assertEqual(p["to_k"].storage, "view of to_qkv_mlp_proj rows 64:128")
-        self.assertEqual(p["mlp.linear_out"].storage, "copy of to_out columns 64:224")
-        self.assertNotIn("cat", [n.label for n in g.nodes])
-        # q, k, v, gate, up all read the block input; the two output projections meet in one add
+                         {**{r: "colwise" for r in rows}, "to_out.attn_part": "rowwise", "to_out.mlp_part": "rowwise"})
+        self.assertEqual(p["to_qkv_mlp_proj.k"].storage, "view of to_qkv_mlp_proj rows 64:128")
+        self.assertEqual(p["to_out.mlp_part"].storage, "copy of to_out columns 64:224")
+        # q, k, v, gate, up all read the block input (the leaf concatenates them for the stock processor); the two
+        # column parts of to_out meet in one add
         inputs = [e.dst for e in g.edges if e.src == "input:arg[0]"]
-        self.assertEqual(sorted(inputs), sorted(f"module:{k}" for k in ("to_q", "to_k", "to_v", "mlp.linear_gate",
-                                                                         "mlp.linear_up")))
+        self.assertEqual(sorted(inputs), sorted(f"module:{k}" for k in rows))
         add = g.by_label("add")
-        self.assertEqual(sorted(e.src for e in g.edges if e.dst == add.id), ["module:mlp.linear_out", "module:to_out"])
+        self.assertEqual(sorted(e.src for e in g.edges if e.dst == add.id),
+                         ["module:to_out.attn_part", "module:to_out.mlp_part"])
         self.assertEqual([e.dst for e in g.edges if e.src == add.id], ["output"])
 
     def test_every_edge_joins_drawn_nodes(self):
@@ -122,7 +122,7 @@ class Reduction(unittest.TestCase):
             root = ET.parse(path).getroot()
         texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text]
         self.assertIn("fused", texts)
-        self.assertIn("mlp.linear_gate", texts)
+        self.assertIn("to_qkv_mlp_proj.gate", texts)
         self.assertIn("copy of to_out columns 0:64", texts)
         self.assertIn("1×6×224", [t.strip() for t in texts])
 
@@ -142,11 +142,11 @@ class Forms(unittest.TestCase):
     def test_single_block_forms(self):
         fused, unfused, rank = self.single
         self.assertEqual(fused.title, "fused single_transformer_blocks.0.attn")
-        self.assertEqual([len(g.nodes) for g in self.single], [12, 15, 16])
-        self.assertEqual(projections(unfused)["to_q"].local, "4096 × 4096")
-        self.assertEqual(projections(rank)["to_q"].local, "512 × 4096")
-        self.assertEqual(projections(rank)["mlp.linear_out"].local, "4096 × 1536")
-        self.assertEqual(projections(rank)["to_out"].sharding, "rowwise")
+        self.assertEqual([len(g.nodes) for g in self.single], [12, 19, 20])
+        self.assertEqual(projections(unfused)["to_qkv_mlp_proj.q"].local, "4096 × 4096")
+        self.assertEqual(projections(rank)["to_qkv_mlp_proj.q"].local, "512 × 4096")
+        self.assertEqual(projections(rank)["to_out.mlp_part"].local, "4096 × 1536")
+        self.assertEqual(projections(rank)["to_out.attn_part"].sharding, "rowwise")
         (collective,) = [n for n in rank.nodes if n.kind == "collective"]
         self.assertEqual(collective.label, "all_reduce (sum)")
         self.assertEqual(collective.bytes, (256 + 64) * 4096 * 2)
@@ -166,8 +166,8 @@ class Forms(unittest.TestCase):
         self.assertEqual(rank.count("collective"), 4)  # to_out, to_add_out, ff, ff_context
         p = projections(rank)
         self.assertEqual(p["attn.add_q_proj"].sharding, "colwise")
-        self.assertEqual(p["ff.linear_gate"].storage, "view of linear_in rows 0:12288")
-        self.assertEqual(p["ff.linear_gate"].local, "1536 × 4096")
+        self.assertEqual(p["ff.linear_in.gate"].storage, "view of linear_in rows 0:12288")
+        self.assertEqual(p["ff.linear_in.gate"].local, "1536 × 4096")
 
     def test_bad_module(self):
         with self.assertRaisesRegex(surgery.SurgeryError, "has no submodule 'nope'"):
@@ -200,7 +200,8 @@ class Explorer(unittest.TestCase):
                 self.assertTrue(all(e["sourceNodeId"] in ids for e in n.get("incomingEdges", [])), n["id"])
         rank = {n["id"]: n for n in graphs[2]["nodes"]}
         self.assertEqual({n["namespace"] for n in rank.values() if n["label"] == "mm"},
-                         {"to_q", "to_k", "to_v", "to_out", "mlp/linear_gate", "mlp/linear_up", "mlp/linear_out"})
+                         {"to_qkv_mlp_proj/q", "to_qkv_mlp_proj/k", "to_qkv_mlp_proj/v", "to_qkv_mlp_proj/gate",
+                          "to_qkv_mlp_proj/up", "to_out/attn_part", "to_out/mlp_part"})
 
     def overlay(self, name):
         with open(self.files["node_data"][name]) as f:
@@ -221,11 +222,11 @@ class Explorer(unittest.TestCase):
         with open(self.files["graphs"]) as f:
             rank = {n["id"]: n for n in json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]}
         by_layer = {rank[i]["namespace"]: r["value"] for i, r in placement.items()}
-        self.assertEqual(by_layer["to_q"], 0)  # colwise
-        self.assertEqual(by_layer["mlp/linear_out"], 1)  # rowwise
+        self.assertEqual(by_layer["to_qkv_mlp_proj/q"], 0)  # colwise
+        self.assertEqual(by_layer["to_out/mlp_part"], 1)  # rowwise
         self.assertEqual(len(by_layer), 7)
         size_by_layer = {rank[i]["namespace"]: r["value"] for i, r in sizes.items()}
-        self.assertEqual(size_by_layer["to_q"], 512 * 4096 * 2)
+        self.assertEqual(size_by_layer["to_qkv_mlp_proj/q"], 512 * 4096 * 2)
         self.assertEqual(size_by_layer["norm_q"], 128 * 2)
         fused = self.overlay("placement")["fused single_transformer_blocks.0.attn"]["results"]
         self.assertEqual(sorted(r["value"] for r in fused.values()), [3, 3])  # both fused
@@ -261,7 +262,7 @@ class Commands(unittest.TestCase):
             code, out, err = run("inspect", "--config", self.config, "--svg", path, "--tp", "2")
             self.assertEqual(code, 0, err)
             ET.parse(path)
-        self.assertIn("rank 0 of 2 (tensor parallel): 16 nodes", out)
+        self.assertIn("rank 0 of 2 (tensor parallel): 20 nodes", out)
 
     def test_bad_arguments(self):
         code, _, err = run("inspect", "--tp", "2")

@@ -90,7 +90,8 @@ class StockAdapterOnUnfusedModel(unittest.TestCase):
         self.assert_same(stock, unfused, forward(self.trained, self.kw))
         attn = unfused.single_transformer_blocks[0].attn
         stock_attn = stock.single_transformer_blocks[0].attn
-        self.assertTrue(torch.equal(attn.to_k.lora_A["one"].weight, stock_attn.to_qkv_mlp_proj.lora_A["one"].weight))
+        self.assertTrue(torch.equal(attn.to_qkv_mlp_proj.k.lora_A["one"].weight,
+                                    stock_attn.to_qkv_mlp_proj.lora_A["one"].weight))
         self.assertTrue(torch.equal(attn.to_out.mlp_part.lora_A["one"].weight,
                                     stock_attn.to_out.lora_A["one"].weight[:, attn.inner_dim:]))
 
