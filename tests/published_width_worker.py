@@ -60,13 +60,13 @@ def fast_seeded(family, config: dict, seed: int = 0, dtype: torch.dtype = DTYPE)
     for name, param in list(model.named_parameters()):
         n = param.numel()
         start = int(torch.randint(PERIOD, (), generator=generator))
-        tiled = block[start:start + PERIOD].repeat(n // PERIOD + 1)[:n].view(param.shape)
-        if param.dim() > 1:
-            value = tiled * param.shape[-1] ** -0.5
-        else:
-            value = tiled * 0.1 + 1.0
+        period = block[start:start + PERIOD]
+        period = period * param.shape[-1] ** -0.5 if param.dim() > 1 else period * 0.1 + 1.0
+        value = torch.empty(n, dtype=dtype)
+        for at in range(0, n, PERIOD):
+            value[at:at + PERIOD] = period[:min(PERIOD, n - at)]
         owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.contiguous(), requires_grad=True))
+        setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.view(param.shape), requires_grad=True))
     return model.eval()
 
 
@@ -277,3 +277,27 @@ def _batched_ids(kw: dict) -> dict:
 
 
 CP_INPUTS = {"flux2": _batched_ids}
+
+
+def tp_peak(rank: int, world: int, family_name: str, variant: str, depth: dict, src_data_rank) -> dict:
+    """This rank's resident high-water mark during `tensor_parallel` above what it held before (the kernel's VmHWM,
+    reset just before the call), with the model's sizes for scale. malloc's mmap threshold is pinned, so that a
+    freed tensor goes back to the system instead of staying in the heap (and counting) until reused."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    family = families()[family_name]
+    config = published_config(family_name, variant, depth)
+    mesh = init_device_mesh("cpu", (world,))
+    model = surgery.unfuse(fast_seeded(family, config, seed=0))
+    blocks = {}
+    for name, p in model.named_parameters():
+        head = ".".join(name.split(".")[:2]) if name.split(".")[0].endswith("blocks") else None
+        if head is not None:
+            blocks[head] = blocks.get(head, 0) + p.nbytes
+    held = reset_peak()
+    surgery.tensor_parallel(model, mesh, src_data_rank=src_data_rank)
+    peak = status("VmHWM") - held
+    sharded = sum(p.nbytes for p in model.parameters() if isinstance(p, DTensor) and p.placements[0].is_shard())
+    return {"peak": peak, "model_bytes": sum(blocks.values()), "sharded_bytes": sharded,
+            "largest_block": max(blocks.values()), "after": status("VmRSS") - held}

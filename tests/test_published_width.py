@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import unittest
 
-from published_width_worker import user_paths
+from published_width_worker import tp_peak, user_paths
 from surgery.testing import run_on_cpu_ranks
 
 BF16_TOL = 3e-2
@@ -27,7 +27,8 @@ BF16_TOL = 3e-2
 CASES = {
     "flux2": ("dev", {"num_layers": 0, "num_single_layers": 1}, ("cp",)),
     "flux1": ("dev", {"num_layers": 0, "num_single_layers": 1}, ("files", "cp", "demo")),
-    "hunyuan-video": ("t2v", {"num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1}, ("cp",)),
+    # diffusers gives HunyuanVideo no `_cp_plan`: context parallelism runs on FLUX.2 and FLUX.1
+    "hunyuan-video": ("t2v", {"num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1}, ()),
 }
 
 
@@ -44,14 +45,14 @@ class PublishedWidth(unittest.TestCase):
         return results
 
     def check(self, family: str) -> None:
-        results = self.results = self.run_family(family)
+        results = self.run_family(family)
         first = results[0]
         self.assertGreater(first["largest"], 2**24, "the tier must hold a tensor past float32's exact integers")
         for rank, r in enumerate(results):
             with self.subTest(rank=rank):
-                for key in ("unfuse", "tp_none", "tp_zero", "context_parallel", "demo"):
-                    if key in r:
-                        self.assertLess(r[key], BF16_TOL, key)
+                for key in ("unfuse", "tp_none", "tp_zero", *("context_parallel",) * ("cp" in CASES[family][2]),
+                            *("demo",) * ("demo" in CASES[family][2])):
+                    self.assertLess(r[key], BF16_TOL, key)
                 self.assertTrue(r["fuse_bitwise_forward"])
                 self.assertEqual(r["fuse_classes"], [])
                 self.assertEqual(r["all_reduces"], r["expected_all_reduces"])
@@ -70,7 +71,23 @@ class PublishedWidth(unittest.TestCase):
 
     def test_flux1_dev(self):
         self.check("flux1")
-        self.assertIn("demo", self.results[0])
 
     def test_hunyuan_video_t2v(self):
         self.check("hunyuan-video")
+
+
+class PeakMemory(unittest.TestCase):
+    """`tensor_parallel` shards and releases block by block: a rank's resident high-water mark during the call (the
+    kernel's VmHWM, reset just before it) rises by about one block's shards, not by all of them (which is what
+    keeping every unsharded parameter until the end cost: measured 683 MB here at 6 blocks, 116 MB after)."""
+
+    def test_peak_is_the_model_plus_one_blocks_shards(self):
+        depth = {"num_layers": 0, "num_single_layers": 4}  # FLUX.1-dev width: 4 x 283 MB blocks in bf16
+        for src in (None, 0):
+            for rank, r in enumerate(run_on_cpu_ranks(tp_peak, 2, "flux1", "dev", depth, src)):
+                print(f"src_data_rank={src} rank {rank}: {r}")
+                with self.subTest(src=src, rank=rank):
+                    # all shards at once would be sharded_bytes / 2 = 453 MB; one block's shards are 142 MB (rank 0
+                    # with src_data_rank=0 also holds the block's scatter buffers)
+                    self.assertLess(r["peak"], r["largest_block"])
+                    self.assertLess(r["peak"], r["sharded_bytes"] / 2 / 1.5)
