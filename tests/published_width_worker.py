@@ -168,11 +168,22 @@ def user_paths(rank: int, world: int, family_name: str, variant: str, depth: dic
         r["seconds"][name] = round(now - clock[0], 1)
         clock[0] = now
 
+    if "peak" in paths:
+        import ctypes
+
+        # a freed tensor goes back to the system, instead of staying in malloc's heap (and counting) until reused
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     kw = family.example_inputs(config, batch=1, seed=0, dtype=DTYPE, **TOKENS)
     model = fast_seeded(family, config)
     r["parameters"] = sum(p.numel() for p in model.parameters())
     r["largest"] = max(p.numel() for p in model.parameters())
     r["model_bytes"] = sum(p.nbytes for p in model.parameters())
+    blocks: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0].endswith("blocks"):
+            blocks[".".join(parts[:2])] = blocks.get(".".join(parts[:2]), 0) + p.nbytes
+    r["largest_block"] = max(blocks.values())
     expected = forward(model, kw)
     lap("build + fused forward")
     fused_hashes = hashes(model.state_dict()) if rank == 0 and "files" in paths else {}
