@@ -38,7 +38,12 @@ def sampled_checksum(tensor: torch.Tensor) -> str:
     n = flat.numel()
     if n == 0:
         return "empty"
-    index = torch.linspace(0, n - 1, min(n, SAMPLE), device=flat.device).round().long()
+    # Exact integer arithmetic: a float32 `linspace` rounds indices past 2**24 (a FLUX.2-dev block Linear holds
+    # ~10**8 elements), and its last index rounds up to `n`, out of bounds. `i * (n - 1) // (k - 1)` in int64 is
+    # exact for any tensor torch can hold.
+    k = min(n, SAMPLE)
+    steps = torch.arange(k, dtype=torch.int64, device=flat.device)
+    index = steps * (n - 1) // max(k - 1, 1)
     sample = flat[index].contiguous().cpu()
     return hashlib.blake2b(sample.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 

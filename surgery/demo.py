@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -44,7 +43,7 @@ def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dt
     inputs = family.example_inputs(config, image_tokens=tokens[0], text_tokens=tokens[1], seed=seed, dtype=dtype)
     expected, fused_seconds = _timed_forward(fused, inputs)
 
-    model = surgery.unfuse(copy.deepcopy(fused))
+    model = surgery.unfuse(fused)  # in place: no second copy of the model (at published width one costs GBs)
     del fused
     started = time.perf_counter()
     surgery.tensor_parallel(model, init_device_mesh("cpu", (world,)), src_data_rank=None)
@@ -81,9 +80,11 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
     print(f"surgery demo: {family.model_name(variant)} shape at demo size ({_describe(family, config)}), "
           f"{params / 1e6:.1f}M parameters, {dtype}, seed {seed}")
 
-    unfused = copy.deepcopy(fused)
+    inputs = family.example_inputs(config, image_tokens=image_tokens, text_tokens=text_tokens, seed=seed,
+                                   dtype=torch_dtype)
+    expected, fused_seconds = _timed_forward(fused, inputs)
     started = time.perf_counter()
-    surgery.unfuse(unfused)
+    unfused = surgery.unfuse(fused)  # in place: the fused output is kept, not a second copy of the model
     seconds = time.perf_counter() - started
     records = surgery.last_report(unfused)
     copied = sum(r.bytes_copied for r in records)
@@ -92,9 +93,6 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
     for record in records:
         print(f"  {record.path:<36} {record.before} -> {record.after}")
 
-    inputs = family.example_inputs(config, image_tokens=image_tokens, text_tokens=text_tokens, seed=seed,
-                                   dtype=torch_dtype)
-    expected, fused_seconds = _timed_forward(fused, inputs)
     out, unfused_seconds = _timed_forward(unfused, inputs)
     print(f"\nsingle device: max relative error unfused vs fused {rel_err(out, expected):.2e}; "
           f"forward {fused_seconds * 1e3:.0f} ms fused, {unfused_seconds * 1e3:.0f} ms unfused")

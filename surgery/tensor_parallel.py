@@ -196,12 +196,18 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     collective at all. Weights may sit on another device than the mesh (CPU weights, a cuda or neuron mesh): only
     shards are moved. Call `model.to(device)` afterwards to move the replicated rest.
 
-    Sharding runs in two phases. First every rank shards its own weights, which needs no collective: a failure there
-    (out of memory, an interrupt) on any rank puts the very same Parameters and hooks back on every rank, and all of
-    them raise. Then, for an integer `src_data_rank`, that rank's weights are sent to the others (scatter of shards,
-    broadcast of the rest): only the transfer itself runs there. The unsharded Parameters are kept until every rank
-    has sharded, so that they can be put back: peak memory is the model plus its sharded part / world (the shards),
-    where dropping them block by block cost the model plus one block's shards.
+    Sharding then runs block by block, each block in two steps. First every rank shards the block's own weights,
+    which needs no collective, and the ranks exchange their verdicts (one small `all_gather_object`); for an integer
+    `src_data_rank`, that rank then sends its shards of the block (scatter or broadcast per parameter: only the
+    transfer itself runs there). Then the block's unsharded Parameters are released (their storage freed; the objects
+    are kept), so a rank's peak is the model plus one block's shards, not the model plus all its shards.
+
+    A failure while sharding (out of memory, an interrupt) on any rank makes every rank raise the same error and put
+    its model back: the failing block and every block not reached get their very same Parameters and hooks back; the
+    blocks already done get their very same Parameter objects back too, refilled from their shards (an all-gather:
+    the values each rank held, since with `src_data_rank=None` the ranks agreed they hold the same weights; with an
+    integer `src_data_rank`, the source rank's weights, which every rank had already received). Unfused row slices
+    that were views of one fused storage come back as separate tensors of the same values.
     """
     mesh = one_dim_mesh(mesh)
     planned = planned_modules(model)
@@ -214,36 +220,50 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     agree(mesh, "tensor_parallel", check,
           lambda _: fingerprint(model, world, src_data_rank, weights=src_data_rank is None),
           reference=src_data_rank or 0)
-    saved = ModuleStates(model)
-    error: BaseException | None = None
-    try:
-        apply_plans(model, planned, mesh, src_data_rank=None)
-    except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
-        saved.restore()
-        error = caught
-    # No collective ran while sharding, so every rank reaches this exchange, whatever happened on the others.
-    try:
-        agree(mesh, "tensor_parallel", lambda: _raise(error),
-              during="while sharding, and every rank put its model back as it was")
-    except BaseException:
-        if error is None:
+    done: list[ModuleStates] = []
+    for path, plan, own in block_plans(model, planned):
+        block = model.get_submodule(path)
+        saved = ModuleStates(block)
+        error: BaseException | None = None
+        try:
+            apply_block(block, plan, own, mesh, src_data_rank=None)
+        except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
             saved.restore()
-        raise
+            error = caught
+        # No collective ran while sharding this block, so every rank reaches this exchange, whatever happened on
+        # the others.
+        try:
+            agree(mesh, "tensor_parallel", lambda: _raise(error),
+                  during=f"while sharding '{path or '<model>'}', and every rank put its model back as it was")
+        except BaseException:
+            if error is None:
+                saved.restore()
+            for states in reversed(done):
+                states.refill()
+            raise
+        if src_data_rank is not None:
+            copy_from_source(block, saved.originals(), mesh, src_data_rank)
+        saved.release()
+        done.append(saved)
     if src_data_rank is not None:
-        copy_from_source(model, saved.originals(), mesh, src_data_rank)
         broadcast_replicated(model, mesh, src_data_rank)
     return model
 
 
+def apply_block(block: nn.Module, plan: dict, own: ParallelStyle | None, mesh: DeviceMesh,
+                src_data_rank: int | None) -> None:
+    """One stock `parallelize_module` call for a block's plan (plus one for the block's own style); parameters
+    already placed as DTensors, by `shard_on_host` or a sharded load, pass through the stock styles untouched."""
+    shard_on_host(block, plan, mesh, src_data_rank)
+    parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
+    if own is not None:
+        parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
+
+
 def apply_plans(model: nn.Module, planned: list, mesh: DeviceMesh, src_data_rank: int | None) -> None:
-    """One stock `parallelize_module` call per block (plus one for a block's own style); parameters already placed
-    as DTensors, by `shard_on_host` or a sharded load, pass through the stock styles untouched."""
+    """`apply_block` for every block of `model`."""
     for path, plan, own in block_plans(model, planned):
-        block = model.get_submodule(path)
-        shard_on_host(block, plan, mesh, src_data_rank)
-        parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
-        if own is not None:
-            parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
+        apply_block(model.get_submodule(path), plan, own, mesh, src_data_rank)
 
 
 def _raise(error: BaseException | None) -> None:
@@ -294,6 +314,30 @@ class ModuleStates:
                 live.update(saved)
             for key in set(vars(module)) - keys:  # e.g. `_distribute_module_applied`
                 del module.__dict__[key]
+
+    def release(self) -> None:
+        """Free the storage of every Parameter that sharding replaced, keeping the objects (and what they were) so
+        that `refill` can give them their values back."""
+        self.released = []
+        for module, dicts, _ in self.saved:
+            for name, original in dicts["_parameters"].items():
+                if original is None or module._parameters.get(name) is original:
+                    continue
+                self.released.append((module, name, original, original.shape))
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+
+    def refill(self) -> None:
+        """Put back the released Parameter objects, refilled with the whole values of the shards that replaced
+        them (an all-gather per sharded parameter, in the same order on every rank), then the modules' state."""
+        with torch.no_grad():
+            for module, name, original, shape in getattr(self, "released", []):
+                current = module._parameters[name]
+                if original.is_meta or current.is_meta:
+                    original.data = torch.empty(shape, dtype=original.dtype, device="meta")
+                    continue
+                whole = current.full_tensor() if isinstance(current, DTensor) else current
+                original.data = whole.detach().to(original.device).clone()
+        self.restore()
 
     def originals(self) -> dict[tuple[int, str], torch.Tensor]:
         """(id(module), parameter name) -> the Parameter it held before sharding."""

@@ -69,9 +69,18 @@ def tp_results(world: int) -> list[dict]:
     return run_on_cpu_ranks(W.run, world, cases, checkpoints)
 
 
+def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
+    """A plans-only family (nothing fused: qwen-image, qwen-image-2.1) has nothing to unfuse, so an unfused-vs-fused
+    comparison would compare the model with its own copy, and a loop over its fused modules would run over nothing.
+    `PlansOnly` checks what such a family does have: its plans, against diffusers'."""
+    if not W.families()[family_name].rewrites:
+        test.skipTest(f"{family_name} fuses nothing (plans only): nothing to unfuse; see PlansOnly")
+
+
 class Equivalence(unittest.TestCase):
     @parameterized.expand(CASES, name_func=_name)
     def test_forward_and_backward_fp32(self, family_name, config_name):
+        skip_plans_only(self, family_name)
         for seed in (0, 1):
             family, config, fused = W.make(family_name, config_name, seed)
             unfused = surgery.unfuse(copy.deepcopy(fused))
@@ -88,6 +97,7 @@ class Equivalence(unittest.TestCase):
 
     @parameterized.expand(CASES, name_func=_name)
     def test_forward_bf16(self, family_name, config_name):
+        skip_plans_only(self, family_name)
         family, config, fused = W.make(family_name, config_name, 2, torch.bfloat16)
         unfused = surgery.unfuse(copy.deepcopy(fused))
         kw = W.inputs(family, config, 2, torch.bfloat16)
@@ -98,6 +108,7 @@ class Equivalence(unittest.TestCase):
 class Structure(unittest.TestCase):
     @parameterized.expand(TP_CASES, name_func=_name)
     def test_row_slices_are_views_and_fuse_is_bitwise_with_stock_classes(self, family_name, config_name):
+        skip_plans_only(self, family_name)
         _, _, fused = W.make(family_name, config_name)
         original = copy.deepcopy(fused)
         before = dict(fused.named_parameters())
@@ -119,6 +130,7 @@ class Structure(unittest.TestCase):
 
     @parameterized.expand(TP_CASES, name_func=_name)
     def test_slices_tile_each_fused_parameter_exactly(self, family_name, config_name):
+        skip_plans_only(self, family_name)
         _, _, fused = W.make(family_name, config_name)
         for path, module, rewrite in find_modules(fused, fused=True):
             params = dict(module.named_parameters())
@@ -130,6 +142,7 @@ class Structure(unittest.TestCase):
 
     @parameterized.expand(TP_CASES, name_func=_name)
     def test_builders_never_mutate_their_argument(self, family_name, config_name):
+        skip_plans_only(self, family_name)
         _, _, fused = W.make(family_name, config_name)
         unfused = surgery.unfuse(copy.deepcopy(fused))
         for model, is_fused in ((fused, True), (unfused, False)):
@@ -139,6 +152,28 @@ class Structure(unittest.TestCase):
                 (rewrite.build_unfused if is_fused else rewrite.build_fused)(module)
                 surgery.testing.assert_unchanged(module, snap)
                 self.assertEqual({k: v for k, v in vars(module).items() if not k.startswith("_")}, attributes, path)
+
+
+PLANS_ONLY = [(f.name,) for f in W.conformant_families() if not f.rewrites]
+
+
+class PlansOnly(unittest.TestCase):
+    @parameterized.expand(PLANS_ONLY, name_func=_name)
+    def test_nothing_to_unfuse_and_the_plans_are_diffusers(self, family_name):
+        from surgery.interop import diffusers_tp_plan
+
+        family = surgery.families()[family_name]
+        for variant in family.variants:
+            model = model_on_meta(family, family.config(variant))
+            snap = [(n, id(m), type(m)) for n, m in model.named_modules()]
+            self.assertEqual(find_modules(model, fused=True), [], "a plans-only family fuses nothing")
+            self.assertEqual(surgery.key_map(model), [])
+            surgery.unfuse(model)
+            self.assertEqual(surgery.last_report(model), [], "unfuse rewrote something")
+            self.assertEqual([(n, id(m), type(m)) for n, m in model.named_modules()], snap)
+            # the plans this family registers shard exactly the Linears diffusers' own `_tp_plan` shards, alike
+            self.assertIsNotNone(type(model)._tp_plan, f"{family_name}: diffusers has no plan to check against")
+            self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{family_name}-{variant}")
 
 
 class FullSize(unittest.TestCase):

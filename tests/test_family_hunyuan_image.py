@@ -2,7 +2,7 @@
 as is; the refiner's feed-forward is sharded by the shared `FeedForward` plan. The conformance configs have no refiner
 blocks because its key bias gets an analytically zero gradient (softmax is invariant to a per-query constant, and the
 refiner has no QK-norm): fp32 noise of ~1e-7, relative to which any two correct runs differ by O(1). Here the refiner
-runs, and gradients are compared against the whole model's gradient scale where a tensor's own is zero."""
+runs, and gradients are compared on each module's gradient scale, as the conformance suite compares them."""
 
 from __future__ import annotations
 
@@ -23,9 +23,12 @@ REFINER = "context_embedder.token_refiner.refiner_blocks.0"
 
 
 def grad_errors(ref: dict, got: dict) -> dict:
-    """Per-parameter max |got - ref|, over max |ref| floored at 1e-3 of the largest gradient of the model."""
-    scale = max(g.abs().max().item() for g in ref.values())
-    return {n: ((got[n] - g).abs().max() / max(g.abs().max().item(), 1e-3 * scale)).item() for n, g in ref.items()}
+    """Per-parameter max |got - ref| over the largest reference gradient of its module, as the conformance suite
+    measures (`conformance_worker.gradient_errors`). A tensor's own scale is not a fair one: the refiner's key bias
+    has an analytically zero gradient, and others are small where their module's are not, so fp32 rounding (which
+    depends on the thread count's reduction order) was measured against a near-zero reference (1.14e-5 on a fresh
+    machine with its own scale floored at 1e-3 of the model's largest gradient)."""
+    return W.gradient_errors(got, ref)
 
 
 def sharded_case(rank: int, world: int) -> dict:

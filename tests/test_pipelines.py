@@ -98,6 +98,10 @@ class Compile(unittest.TestCase):
             self.assertLessEqual(result["compiled_tp"], FP32_TOL)
 
 
+# The backends the README lists as working on CPU ("Attention backends"); the others need a device or a package.
+README_CPU_BACKENDS = ("native", "_native_math", "_native_flash", "flex")
+
+
 class AttentionBackends(unittest.TestCase):
     def test_every_backend_available_here(self):
         keep_attention_backend(self)
@@ -119,5 +123,5 @@ class AttentionBackends(unittest.TestCase):
                 self.assertLessEqual(rel_err(unfused(**kw).sample, expected), FP32_TOL, backend.value)
             tested.append(backend.value)
         print(f"\nattention backends tested: {tested}")
-        self.assertIn("native", tested)
-        self.assertIn("_native_math", tested)
+        for listed in README_CPU_BACKENDS:  # what the README says works after unfuse on CPU must have run here
+            self.assertIn(listed, tested)

@@ -28,9 +28,9 @@ class Agreement(unittest.TestCase):
         "dtype": r"rank 1: '[\w.]+' has shape \(\d+(, \d+)*\), dtype torch.bfloat16, rank 0 shape \(\d+(, \d+)*\), "
         r"dtype torch.float32",
         "meta": r"rank 1: '[\w.]+' is on the meta device; with src_data_rank=0 every rank needs real weights",
-        "midway_0": r"rank 1 failed while sharding, and every rank put its model back as it was: MemoryError: "
+        "midway_0": r"rank 1 failed while sharding 'transformer_blocks.1', and every rank put its model back as it was: MemoryError: "
         r"simulated: out of memory while sharding \(rank 0 stopped with it\)",
-        "midway_None": r"rank 1 failed while sharding, and every rank put its model back as it was: MemoryError",
+        "midway_None": r"rank 1 failed while sharding 'transformer_blocks.1', and every rank put its model back as it was: MemoryError",
         "load": r"^surgery.load_tensor_parallel: rank 1: '.*/missing' does not exist",
     }
 

@@ -59,13 +59,16 @@ class TensorTimesFSDP2(unittest.TestCase):
             # parameters sharded over both dimensions: FSDP2 on "dp" over TP's shards on "tp"
             self.assertIn("(_StridedShard(dim=0, sf=2), Shard(dim=0))", r["placements"])
 
-    def test_an_adamw_step_matches_loosely(self):
-        # Adam's first step is about lr * sign(g): gradient differences of ~1e-7 on near-zero gradients flip single
-        # updates of size lr, so only the absolute difference is bounded (by lr) here, not the relative error.
+    def test_an_adamw_step_matches_one_device(self):
+        # Adam's first step is lr * g / (|g| + eps): with a small eps it is about lr * sign(g), and gradient
+        # differences of ~1e-7 on near-zero gradients flip single updates, so a bound loose enough for that is also met
+        # by a skipped step. With eps = 1 the step is smooth in g (about lr * g for small g), so it is compared tightly,
+        # and the step itself (lr = 1) moves the parameters by far more than the tolerance.
         for result in results():
             r = result["training"]["adamw"]
             self.assertLessEqual(r["grads"], FP32_TOL)
-            self.assertLessEqual(r["max_abs_param_diff"], 2e-3)
+            self.assertLessEqual(r["params"], FP32_TOL)
+            self.assertGreater(r["changed"], 1e3 * r["max_abs_param_diff"])
 
 
 class LoRAOnTensorTimesFSDP2(unittest.TestCase):

@@ -135,7 +135,7 @@ def check_training(mesh) -> dict:
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     local_kw, local_target = _batch_slice(kw, dp_rank, dp), target.chunk(dp)[dp_rank]
     result = {}
-    for name, cls, opts in (("sgd", torch.optim.SGD, {"lr": 0.1}), ("adamw", torch.optim.AdamW, {"lr": 1e-3})):
+    for name, cls, opts in (("sgd", torch.optim.SGD, {"lr": 0.1}), ("adamw", torch.optim.AdamW, {"lr": 1.0, "eps": 1.0})):
         ref_grads, ref_params = train_step(copy.deepcopy(base), kw, target, cls, **opts)
         model = surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"])
         fully_shard_blocks(model, mesh["dp"])
