@@ -445,7 +445,10 @@ def _holds_checkpoint(folder: Path) -> list[str]:
 
 
 def _destination(dst: str | os.PathLike, source: Path, overwrite: bool) -> Path:
-    """The resolved destination, refused when it is or holds the source, is a file, or holds a checkpoint."""
+    """The resolved destination, refused when it is or holds the source, is a file or a pipeline's root folder, or
+    holds a checkpoint."""
+    from .atomic import destination
+
     target = Path(dst).resolve()
     src = source.resolve()
 
@@ -458,8 +461,7 @@ def _destination(dst: str | os.PathLike, source: Path, overwrite: bool) -> Path:
     if target.exists() and any(same(target, p) for p in src.parents):
         raise SurgeryError(f"destination '{dst}' holds the source '{source}': replacing it would replace the "
                            "source. Write somewhere else.")
-    if target.exists() and not target.is_dir():
-        raise SurgeryError(f"destination '{dst}' is a file, not a folder: pass a folder path.")
+    destination(dst, "surgery.convert")  # a file, a pipeline's root folder
     if target.is_dir() and not overwrite:
         found = _holds_checkpoint(target)
         if found:
@@ -532,7 +534,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         infos = check_tensors(reader, expected_tensors(model, slices, layout), mixed_dtypes=True, siblings=siblings)
         files, index = shard_plan(_plan(reader, infos, slices, to), max_shard_size, variant)
         metadata = {**reader.metadata(), "format": "pt"}
-        with staged_folder(target, owns) as staged:
+        with staged_folder(target, owns, "surgery.convert") as staged:
             for file, planned in files.items():
                 write_safetensors(staged / file, reader, planned, metadata)
             if index is not None:

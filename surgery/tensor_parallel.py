@@ -224,7 +224,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     # No collective ran while sharding, so every rank reaches this exchange, whatever happened on the others.
     try:
         agree(mesh, "tensor_parallel", lambda: _raise(error),
-              during="while sharding, and every rank put its model back as it was")
+              during="while sharding, and every rank put its model back as it was", handshake=False)
     except BaseException:
         if error is None:
             saved.restore()
