@@ -137,8 +137,7 @@ def _exchanges(where) -> bool:
 
 HANDSHAKE_TIMEOUT_S = 30.0
 _TIMEOUT_VARIABLE = "SURGERY_HANDSHAKE_TIMEOUT"
-_POISON = 1 << 40  # added to a call's arrival count by a rank that stopped waiting: later arrivals see it
-_calls: dict[str, int] = {}
+_POISON = 1 << 40  # added to a call's arrival count by the rank that stopped waiting first: later arrivals see it
 
 
 def handshake_timeout() -> float:
@@ -163,41 +162,52 @@ def _ranks(ranks: list[int]) -> str:
 
 def all_ranks_called(where, verb: str, timeout: float | None = None) -> None:
     """Return once every rank of the group has called `verb` at this point; raise a `SurgeryError` after `timeout`
-    seconds (default `handshake_timeout()`) on a rank whose peers did not come, naming them."""
+    seconds (default `handshake_timeout()`) on a rank whose peers did not come, naming them.
+
+    Calls meet in numbered slots of the store. The slot's number is read from the store (not counted by each rank),
+    and moves on when a slot completes or is given up, so that a call on some ranks only does not shift every later
+    call out of step: the next call on every rank meets in a fresh slot again.
+    """
     from datetime import timedelta
 
     group, world = _group(where)
     timeout = handshake_timeout() if timeout is None else timeout
     store = dist.distributed_c10d._get_default_store()
-    name = getattr(group, "group_name", "world")
-    _calls[name] = call = _calls.get(name, 0) + 1
-    base = f"surgery/handshake/{name}/{call}"
+    head = f"surgery/handshake/{getattr(group, 'group_name', 'world')}"
+    slot = store.add(f"{head}/slot", 0)
+    base = f"{head}/{slot}"
     me = dist.get_rank(group)
     store.set(f"{base}/rank{me}", verb)
     count = store.add(f"{base}/count", 1)
     if count > _POISON:
         raise SurgeryError(
-            f"surgery.{verb}: another rank stopped waiting for this call already (its handshake timed out): the ranks "
-            f"called surgery's collective verbs in different orders, or not all of them. Every rank must call "
+            f"surgery.{verb}: another rank had stopped waiting for this call (its handshake timed out): not every "
+            f"rank called it, or the ranks called surgery's collective verbs in different orders. Every rank must call "
             f"surgery.{verb} at the same point."
         )
-    if count == world:
+    if count == world:  # the last to arrive moves the slot on, then lets everyone go
+        store.add(f"{head}/slot", 1)
         store.set(f"{base}/all", "1")
     try:
         store.wait([f"{base}/all"], timedelta(seconds=timeout))
         return
     except RuntimeError:  # torch's DistStoreError (a RuntimeError) on timeout
         pass
-    # Too late for some: mark the call as given up, unless the last rank arrived in the meantime (atomic add).
-    if store.add(f"{base}/count", _POISON) - _POISON >= world:
-        store.wait([f"{base}/all"], timedelta(seconds=timeout))
+    if store.check([f"{base}/all"]):
         return
+    # Give up the slot, unless the last rank arrived in the meantime (one atomic add decides which came first).
+    poisoned = store.add(f"{base}/count", _POISON)
+    if poisoned // _POISON == 1:
+        if poisoned % _POISON >= world:
+            store.wait([f"{base}/all"], timedelta(seconds=timeout))
+            return
+        store.add(f"{head}/slot", 1)  # the first to give up moves the slot on
     came = [r for r in range(world) if store.check([f"{base}/rank{r}"])]
     missing = [r for r in range(world) if r not in came]
     raise SurgeryError(
         f"surgery.{verb}: {_ranks(missing)} did not call surgery.{verb} within {timeout:g} s ({_ranks(came)} did). "
-        f"Every rank of the group must call it at the same point (not under `if rank == 0:`). If a rank is only "
-        f"slower than that, set {_TIMEOUT_VARIABLE} to more seconds."
+        f"Every rank of the group must call it at the same point (not under `if rank == 0:`); nothing was changed. "
+        f"If a rank is only slower than that, set {_TIMEOUT_VARIABLE} to more seconds."
     )
 
 

@@ -356,15 +356,15 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
     def same_folder():
         # before anything is written: every rank names the same folder and sees the one rank 0 created
         if names[rank] != names[0]:
-            raise SurgeryError(f"rank {rank} saves to '{target}', rank 0 to a folder named '{names[0]}': pass the same "
-                               "folder on every rank.")
+            raise SurgeryError(f"its folder '{target}' is not rank 0's (named '{names[0]}'): pass the same folder on "
+                               "every rank.")
         try:
             seen = (tmp / marker).read_text()
         except OSError:
             seen = None
         if seen != token:
             raise SurgeryError(
-                f"rank {rank} does not see the temporary folder rank 0 created beside its destination ('{tmp}' is "
+                f"it does not see the temporary folder rank 0 created beside its destination ('{tmp}' is "
                 "absent here): pass the same folder on every rank, on a file system that every rank shares."
             )
         state_dict = model.state_dict()
