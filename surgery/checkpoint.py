@@ -219,11 +219,16 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as error:
         raise SurgeryError(f"'{folder / 'config.json'}' is not valid JSON ({error}).") from None
-    if model_class is None:
-        name = config.get("_class_name")
-        model_class = getattr(diffusers, name, None) if name else None
-        if model_class is None:
-            raise SurgeryError(f"'{folder}/config.json' names no diffusers class ({name!r}); pass model_class.")
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    given = model_class is not None
+    if not given:
+        model_class = getattr(diffusers, name, None) if isinstance(name, str) and name else None
+    if not (isinstance(model_class, type) and issubclass(model_class, diffusers.ModelMixin)):
+        what = ("a pipeline class, not a model" if isinstance(model_class, type)
+                and issubclass(model_class, diffusers.DiffusionPipeline) else "no diffusers model class")
+        said = f"the class given, {model_class!r}," if given else f"'{folder}/config.json' names _class_name {name!r},"
+        raise SurgeryError(f"{said} which is {what}. Pass a diffusers model folder (its config.json names e.g. "
+                           "Flux2Transformer2DModel, as a pipeline's transformer/ does), or the model class itself.")
     from accelerate import init_empty_weights  # diffusers' own: parameters on meta, buffers computed for real
 
     try:

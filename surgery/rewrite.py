@@ -218,7 +218,7 @@ def _check_holders(
         elif isinstance(obj, (DistributedDataParallel, FullyShardedDataParallel)):
             if any(m is model for m in obj.modules()):
                 raise wrapper_error(type(obj).__name__, wrapper_kind(obj) or type(obj).__name__, verb)
-        elif id(obj) not in inside:
+        elif id(obj) not in inside and not _traced(obj):
             tied = next(((n, p) for n, p in obj._parameters.items() if p is not None and id(p) in suspects), None)
             if tied is not None:
                 tied, param = tied
@@ -228,6 +228,12 @@ def _check_holders(
                     f"it in the model only and untie them. Untie them first (give the outside {type(obj).__name__} its "
                     f"own copy: `m.{tied} = nn.Parameter(m.{tied}.detach().clone())`), or tie them again afterwards."
                 )
+
+
+def _traced(module: nn.Module) -> bool:
+    """A tracer's module (fx `GraphModule`s, the plain `nn.Module` roots that `make_fx` keeps constants on): it holds
+    the model's parameters as a graph's inputs, not as a tie that would matter after the rewrite."""
+    return type(module) is nn.Module or isinstance(module, torch.fx.GraphModule)
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor:
