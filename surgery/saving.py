@@ -2,7 +2,8 @@
 
 `surgery.save_pretrained(model, folder)` writes what `fuse` + diffusers' `save_pretrained` would write: the fused
 (diffusers) layout, diffusers' shard names and index, and `config.json`, into a temporary sibling folder that is
-renamed into place when complete. It holds about one tensor in memory beyond the model:
+swapped into place when complete (`surgery.atomic`, which keeps the folder's other files). It holds about one tensor
+in memory beyond the model:
 
 - an unsharded model: each fused tensor is written from its parts one part (row splits) or one block of rows
   (column splits) at a time;
@@ -388,6 +389,7 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
     # From here to the next exchange the only collectives are DCP's, which catches every rank's error (KeyboardInterrupt
     # included) and raises them on all ranks as one CheckpointException; rank 0's own work follows, alone.
     error: BaseException | None = None
+    others: BaseException | None = None
     try:
         order = list(state_dict)
         dcp.save(state_dict, storage_writer=writer)
@@ -400,9 +402,13 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
             model.save_config(tmp)
     except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
         error = _own_failure(caught, rank)
+        if error is None:  # another rank's failure, which that rank reports below
+            others = caught
     kept = f"'{target}' is as it was, the temporary folder removed"
     try:
         agree(None, "save_pretrained", lambda: _raise(error), during=f"while writing ({kept})", handshake=False)
+        if others is not None:  # DCP raised on every rank, but no rank found its own failure in it: never commit
+            raise SurgeryError(f"{VERB}: torch's distributed checkpoint failed ({kept}): {others}")
     except BaseException:
         discard(tmp)  # every rank, in case its view of the folder is its own
         raise
