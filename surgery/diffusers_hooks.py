@@ -108,7 +108,7 @@ def _split_fused_keys(module, state_dict, prefix, local_metadata, strict, missin
         if len(group) == 1 and group[0].unfused == fused and not fits:
             continue  # the unfused key of the same name (its own size is torch's to check)
         if not fits:
-            if fused in own and tensor.dim() > dim and tensor.shape[dim] == group[0].size:
+            if fused in own and tensor.shape == own[fused].shape:
                 continue  # `to_out.weight` of the unfused layout: a key of both layouts
             expected = list(own[group[0].unfused].shape)
             expected[dim] = total

@@ -109,3 +109,35 @@ class RewriteRefusals(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EveryFamily(unittest.TestCase):
+    """The load pre-hook on every family that rewrites: either layout loads (strict), a fused tensor with 8 rows or
+    columns too many is refused (strict=False too)."""
+
+    def test_either_layout_loads_and_a_resized_fused_tensor_is_refused(self):
+        from surgery.registry import families
+        from surgery.testing import seeded_model
+
+        for name, family in sorted(families().items()):
+            if not family.test_configs or not family.rewrites:
+                continue
+            config = next(iter(family.test_configs.values()))
+            with self.subTest(name):
+                stock = seeded_model(family, config, 1)
+                slices = surgery.key_map(stock)
+                if not slices:
+                    continue
+                for source in (stock.state_dict(), surgery.unfuse(copy.deepcopy(stock)).state_dict()):
+                    model = surgery.unfuse(seeded_model(family, config, 0))
+                    self.assertEqual(model.load_state_dict(source, strict=True).missing_keys, [])
+                    want = surgery.unfuse(copy.deepcopy(stock)).state_dict()
+                    self.assertTrue(all(torch.equal(v, want[k]) for k, v in model.state_dict().items()))
+                fused_name, dim = slices[0].fused, slices[0].dim
+                source = dict(stock.state_dict())
+                extra = list(source[fused_name].shape)
+                extra[dim] = 8
+                source[fused_name] = torch.cat([source[fused_name], torch.zeros(extra)], dim)
+                for strict in (True, False):
+                    with self.assertRaisesRegex(RuntimeError, rf"size mismatch for {fused_name}"):
+                        surgery.unfuse(seeded_model(family, config, 0)).load_state_dict(source, strict=strict)
