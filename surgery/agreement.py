@@ -114,9 +114,109 @@ def _exchange(group, obj: Any, world: int) -> list[Any]:
     return gathered
 
 
-def _exchanges(mesh) -> bool:
+def _group(where) -> tuple[Any, int]:
+    """(process group, size) of a DeviceMesh (its one dim), a ProcessGroup, or None: every rank of the job."""
+    if where is None:
+        return dist.distributed_c10d._get_default_group(), dist.get_world_size()
+    if hasattr(where, "get_group"):
+        return where.get_group(), where.size()
+    return where, dist.get_world_size(where)
+
+
+def _exchanges(where) -> bool:
     """Whether there is anyone to agree with (not for one rank, nor under torch's fake process group)."""
-    return mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "fake"
+    if not dist.is_initialized():
+        return False
+    group, world = _group(where)
+    return world > 1 and dist.get_backend(group) != "fake"
+
+
+# --- handshake: every rank of the group called the verb ---------------------------------------------------------
+#
+# A collective verb called on some ranks only (`if rank == 0: model.save_pretrained(...)`) would leave those ranks
+# waiting in the first exchange until the process group's timeout (30 minutes by default), and gloo's timeout message
+# names no cause. So the first exchange of every verb is preceded by a handshake through the process group's store,
+# which has a timeout of its own: each rank counts itself in, and waits at most `handshake_timeout()` seconds for the
+# others. torch has no such check for a subset of ranks (`monitored_barrier` needs a gloo group, which cannot be
+# created at that point without the very collective that would hang).
+
+HANDSHAKE_TIMEOUT_S = 30.0
+_TIMEOUT_VARIABLE = "SURGERY_HANDSHAKE_TIMEOUT"
+_POISON = 1 << 40  # added to a call's arrival count by the rank that stopped waiting first: later arrivals see it
+
+
+def handshake_timeout() -> float:
+    """Seconds a rank waits for the others to call the same verb: `SURGERY_HANDSHAKE_TIMEOUT`, default 30."""
+    import os
+
+    text = os.environ.get(_TIMEOUT_VARIABLE)
+    if not text:
+        return HANDSHAKE_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SurgeryError(f"{_TIMEOUT_VARIABLE}={text!r}: give a number of seconds greater than 0.")
+    return value
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def all_ranks_called(where, verb: str, timeout: float | None = None) -> None:
+    """Return once every rank of the group has called `verb` at this point; raise a `SurgeryError` after `timeout`
+    seconds (default `handshake_timeout()`) on a rank whose peers did not come, naming them.
+
+    Calls meet in numbered slots of the store. The slot's number is read from the store (not counted by each rank),
+    and moves on when a slot completes or is given up, so that a call on some ranks only does not shift every later
+    call out of step: the next call on every rank meets in a fresh slot again.
+    """
+    from datetime import timedelta
+
+    group, world = _group(where)
+    timeout = handshake_timeout() if timeout is None else timeout
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, KeyError, AttributeError):  # a process group without a store torch knows of
+        return
+    head = f"surgery/handshake/{getattr(group, 'group_name', 'world')}"
+    slot = store.add(f"{head}/slot", 0)
+    base = f"{head}/{slot}"
+    me = dist.get_rank(group)
+    store.set(f"{base}/rank{me}", verb)
+    count = store.add(f"{base}/count", 1)
+    if count > _POISON:
+        raise SurgeryError(
+            f"surgery.{verb}: another rank had stopped waiting for this call (its handshake timed out): not every "
+            f"rank called it, or the ranks called surgery's collective verbs in different orders. Every rank must call "
+            f"surgery.{verb} at the same point."
+        )
+    if count == world:  # the last to arrive moves the slot on, then lets everyone go
+        store.add(f"{head}/slot", 1)
+        store.set(f"{base}/all", "1")
+    try:
+        store.wait([f"{base}/all"], timedelta(seconds=timeout))
+        return
+    except RuntimeError:  # torch's DistStoreError (a RuntimeError) on timeout
+        pass
+    if store.check([f"{base}/all"]):
+        return
+    # Give up the slot, unless the last rank arrived in the meantime (one atomic add decides which came first).
+    poisoned = store.add(f"{base}/count", _POISON)
+    if poisoned // _POISON == 1:
+        if poisoned % _POISON >= world:
+            store.wait([f"{base}/all"], timedelta(seconds=timeout))
+            return
+        store.add(f"{head}/slot", 1)  # the first to give up moves the slot on
+    came = [r for r in range(world) if store.check([f"{base}/rank{r}"])]
+    missing = [r for r in range(world) if r not in came]
+    raise SurgeryError(
+        f"surgery.{verb}: {_ranks(missing)} did not call surgery.{verb} within {timeout:g} s ({_ranks(came)} did). "
+        f"Every rank of the group must call it at the same point (not under `if rank == 0:`); nothing was changed. "
+        f"If a rank is only slower than that, set {_TIMEOUT_VARIABLE} to more seconds."
+    )
 
 
 def _strip(message: str, verb: str) -> str:
@@ -125,7 +225,9 @@ def _strip(message: str, verb: str) -> str:
 
 
 def _verdict(error: BaseException) -> str:
-    return str(error) if isinstance(error, SurgeryError) else f"{type(error).__name__}: {error}"
+    if isinstance(error, SurgeryError):
+        return str(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def refusal(verb: str, verdicts: list[str | None], during: str = "") -> str | None:
@@ -152,33 +254,65 @@ def agree(
     fingerprint_of: Callable[[T], dict[str, dict]] | None = None,
     reference: int = 0,
     during: str = "",
+    *,
+    handshake: bool = True,
 ) -> T:
     """Run `check()` on every rank, then agree: return its result on every rank, or raise the same `SurgeryError`
     on every rank if any rank's check raised or any rank's fingerprint differs from rank `reference`'s.
 
-    Every rank calls this at the same point; it runs at most two small collectives over `mesh`'s group and none
-    when `mesh` has one rank. A rank whose check raised something other than a `SurgeryError` re-raises that
-    error itself (the others raise the `SurgeryError` that names it); KeyboardInterrupt is exchanged first too.
+    `mesh`: a 1-D DeviceMesh, a ProcessGroup, or None (every rank of the job). Every rank calls this at the same
+    point; it runs a handshake (`all_ranks_called`: a rank whose peers never call it raises after
+    `SURGERY_HANDSHAKE_TIMEOUT` seconds instead of waiting for the process group's timeout; pass `handshake=False`
+    for a later exchange inside a verb that every rank has entered), then at most two small collectives over the
+    group, and nothing when the group has one rank. A rank whose check raised something other than a `SurgeryError`
+    re-raises that error itself (the others raise the `SurgeryError` that names it); a KeyboardInterrupt stays a
+    KeyboardInterrupt on the rank that got it, after the others were told.
     """
+    return agree_and_share(mesh, verb, check, None, fingerprint_of, reference, during, handshake=handshake)[0]
+
+
+def agree_and_share(
+    mesh,
+    verb: str,
+    check: Callable[[], T],
+    share: Callable[[T], Any] | None = None,
+    fingerprint_of: Callable[[T], dict[str, dict]] | None = None,
+    reference: int = 0,
+    during: str = "",
+    *,
+    handshake: bool = True,
+) -> tuple[T, list[Any]]:
+    """`agree`, and also every rank's `share(result)` (something small and picklable), by rank."""
     error: BaseException | None = None
-    result = None
+    result = shared = None
     parts: dict[str, dict] = {}
+    exchanges = _exchanges(mesh)
+    if exchanges and handshake:
+        all_ranks_called(mesh, verb)
     try:
         result = check()
+        if share is not None:
+            shared = share(result)
         if fingerprint_of is not None:
             parts = fingerprint_of(result)
     except BaseException as caught:  # noqa: BLE001 - reported to every rank, then re-raised below
         error = caught
-    if not _exchanges(mesh):
+    if not exchanges:
         if error is not None:
             raise error
-        return result
-    group, world = mesh.get_group(), mesh.size()
-    mine = (None if error is None else _verdict(error), {name: _digest(part) for name, part in parts.items()})
+        return result, [shared]
+    group, world = _group(mesh)
+    mine = (None if error is None else _verdict(error), {name: _digest(part) for name, part in parts.items()}, verb,
+            shared)
     gathered = _exchange(group, mine, world)
-    message = refusal(verb, [verdict for verdict, _ in gathered], during)
+    message = refusal(verb, [verdict for verdict, *_ in gathered], during)
+    verbs = [v for _, _, v, _ in gathered]
+    if message is None and len(set(verbs)) > 1:
+        odd = next(r for r, v in enumerate(verbs) if v != verb)
+        message = (f"surgery.{verb}: rank {odd} called surgery.{verbs[odd]} where this rank called surgery.{verb}: "
+                   "every rank must call surgery's collective verbs in the same order.")
     if message is None:
-        digests = [d for _, d in gathered]
+        digests = [d for _, d, *_ in gathered]
         differing = [name for name in digests[reference] if any(d.get(name) != digests[reference][name] for d in digests)]
         if differing:
             # Every rank saw the same digests, so all of them take this second exchange. The first differing part
@@ -191,7 +325,7 @@ def agree(
             )
             message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {_FIXES[name]}"
     if message is None:
-        return result
+        return result, [s for *_, s in gathered]
     if error is not None and not isinstance(error, SurgeryError):
         if isinstance(error, Exception):
             raise SurgeryError(message) from error

@@ -219,11 +219,16 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as error:
         raise SurgeryError(f"'{folder / 'config.json'}' is not valid JSON ({error}).") from None
-    if model_class is None:
-        name = config.get("_class_name")
-        model_class = getattr(diffusers, name, None) if name else None
-        if model_class is None:
-            raise SurgeryError(f"'{folder}/config.json' names no diffusers class ({name!r}); pass model_class.")
+    name = config.get("_class_name") if isinstance(config, dict) else None
+    given = model_class is not None
+    if not given:
+        model_class = getattr(diffusers, name, None) if isinstance(name, str) and name else None
+    if not (isinstance(model_class, type) and issubclass(model_class, diffusers.ModelMixin)):
+        what = ("a pipeline class, not a model" if isinstance(model_class, type)
+                and issubclass(model_class, diffusers.DiffusionPipeline) else "no diffusers model class")
+        said = f"the class given, {model_class!r}," if given else f"'{folder}/config.json' names _class_name {name!r},"
+        raise SurgeryError(f"{said} which is {what}. Pass a diffusers model folder (its config.json names e.g. "
+                           "Flux2Transformer2DModel, as a pipeline's transformer/ does), or the model class itself.")
     from accelerate import init_empty_weights  # diffusers' own: parameters on meta, buffers computed for real
 
     try:
@@ -445,7 +450,10 @@ def _holds_checkpoint(folder: Path) -> list[str]:
 
 
 def _destination(dst: str | os.PathLike, source: Path, overwrite: bool) -> Path:
-    """The resolved destination, refused when it is or holds the source, is a file, or holds a checkpoint."""
+    """The resolved destination, refused when it is or holds the source, is a file or a pipeline's root folder, or
+    holds a checkpoint."""
+    from .atomic import destination
+
     target = Path(dst).resolve()
     src = source.resolve()
 
@@ -458,8 +466,7 @@ def _destination(dst: str | os.PathLike, source: Path, overwrite: bool) -> Path:
     if target.exists() and any(same(target, p) for p in src.parents):
         raise SurgeryError(f"destination '{dst}' holds the source '{source}': replacing it would replace the "
                            "source. Write somewhere else.")
-    if target.exists() and not target.is_dir():
-        raise SurgeryError(f"destination '{dst}' is a file, not a folder: pass a folder path.")
+    destination(dst, "surgery.convert")  # a file, a pipeline's root folder
     if target.is_dir() and not overwrite:
         found = _holds_checkpoint(target)
         if found:
@@ -532,7 +539,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
         infos = check_tensors(reader, expected_tensors(model, slices, layout), mixed_dtypes=True, siblings=siblings)
         files, index = shard_plan(_plan(reader, infos, slices, to), max_shard_size, variant)
         metadata = {**reader.metadata(), "format": "pt"}
-        with staged_folder(target, owns) as staged:
+        with staged_folder(target, owns, "surgery.convert") as staged:
             for file, planned in files.items():
                 write_safetensors(staged / file, reader, planned, metadata)
             if index is not None:

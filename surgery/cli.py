@@ -14,6 +14,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .registry import model_names
 
@@ -82,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     explore.add_argument("--module", help="the module to trace (default: the fused one with most slices)")
     explore.add_argument("--out", default="model_explorer", help="folder for the graph and overlay files")
     explore.add_argument("--host", default="127.0.0.1")
-    explore.add_argument("--port", type=_positive, default=8080)
+    explore.add_argument("--port", type=_port, default=8080)
     explore.add_argument("--no-serve", action="store_true", help="only write the files")
 
     convert = commands.add_parser(

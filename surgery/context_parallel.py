@@ -52,6 +52,13 @@ def _cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
             f"surgery.context_parallel: the mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; context parallelism "
             f"splits the sequence over one. {hint}"
         )
+    if not mesh.mesh_dim_names:
+        # diffusers' ring/ulysses mesh is unflattened from this one, which torch only does for a named dimension
+        raise SurgeryError(
+            "surgery.context_parallel: the mesh has no dimension name; build it with one, e.g. "
+            f"init_device_mesh('{mesh.device_type}', ({mesh.size()},), mesh_dim_names=('cp',)), or pass mesh['cp'] "
+            "of a named 2-D mesh."
+        )
     return mesh
 
 
@@ -171,26 +178,13 @@ def validate(model: nn.Module, mesh: DeviceMesh, ulysses: int, ring: int, plan: 
     return plan
 
 
-def _agree(verdict: str | None) -> None:
-    """Every rank learns every rank's verdict before the first collective that builds groups, and all refuse at once
-    if one does (a rank that refused alone would leave the others waiting in the group creation)."""
-    if dist.get_backend() != "fake":  # the planner's fake process group carries no objects
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, verdict)
-        failed = [(rank, v) for rank, v in enumerate(verdicts) if v is not None]
-        if failed and verdict is None:
-            rank, message = failed[0]
-            raise SurgeryError(f"{message} (refused on rank {rank}; no rank changed the model)")
-    if verdict is not None:
-        raise SurgeryError(verdict)
-
-
 def _guarded(model: nn.Module) -> bool:
     registry = getattr(model, "_diffusers_hook", None)
     return registry is not None and any(name.startswith(("cp_", _GUARD)) for name in registry.hooks)
 
 
-def _check_call(module: nn.Module, signature: inspect.Signature, split: dict, args: tuple, kwargs: dict) -> None:
+def _check_call(module: nn.Module, signature: inspect.Signature, split: dict, args: tuple, kwargs: dict,
+                size: int = 1) -> None:
     """Refuse, at call time, what diffusers' context parallelism would get silently wrong or fail on obscurely."""
     bound = signature.bind_partial(module, *args, **kwargs).arguments
     for name, how in split.items():
@@ -202,6 +196,15 @@ def _check_call(module: nn.Module, signature: inspect.Signature, split: dict, ar
                 f"surgery.context_parallel: '{name}' has {value.dim()} dimensions {tuple(value.shape)}; the model's "
                 f"context-parallel plan splits it along dim {how.split_dim} only when it has {expected}. Pass it "
                 f"with {expected} dimensions (e.g. {name}.unsqueeze(0) for a leading batch dimension)."
+            )
+        dim = getattr(how, "split_dim", None)
+        if isinstance(value, torch.Tensor) and dim is not None and value.dim() > dim and value.shape[dim] % size:
+            # diffusers' split hook asserts this with no message
+            length = value.shape[dim]
+            raise SurgeryError(
+                f"surgery.context_parallel: '{name}' has {length} tokens along dim {dim}, which the {size} "
+                f"context-parallel ranks cannot split evenly. Use a sequence length divisible by {size} (e.g. "
+                f"{length + (-length) % size}: another image size or prompt padding), or fewer context-parallel ranks."
             )
     cached = sorted(k for k, v in bound.items() if k.startswith("kv_cache") and v is not None)
     if cached:
@@ -219,7 +222,7 @@ def _check_call(module: nn.Module, signature: inspect.Signature, split: dict, ar
         )
 
 
-def _guard_hook(model: nn.Module, plan: dict):
+def _guard_hook(model: nn.Module, plan: dict, size: int):
     """A diffusers hook that runs `_check_call` before each forward of `model`."""
     from diffusers.hooks import ModelHook
 
@@ -228,7 +231,7 @@ def _guard_hook(model: nn.Module, plan: dict):
 
     class ContextParallelGuard(ModelHook):
         def pre_forward(self, module, *args, **kwargs):
-            _check_call(module, signature, split, args, kwargs)
+            _check_call(module, signature, split, args, kwargs, size)
             return args, kwargs
 
     return ContextParallelGuard()
@@ -254,14 +257,16 @@ def context_parallel(
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
-    mesh = _cp_mesh(mesh)
-    ulysses, ring = _degrees(mesh.size(), ulysses_degree, ring_degree)
-    try:
-        plan = validate(model, mesh, ulysses, ring, plan)
-        verdict = None
-    except SurgeryError as error:
-        verdict = str(error)
-    _agree(verdict)
+    from .agreement import agree
+
+    def check():
+        cp_mesh = _cp_mesh(mesh)
+        ulysses, ring = _degrees(cp_mesh.size(), ulysses_degree, ring_degree)
+        return cp_mesh, ulysses, ring, validate(model, cp_mesh, ulysses, ring, plan)
+
+    # Every rank of the job (not only this CP group) learns every rank's verdict before the first collective: the
+    # group creation below involves them all, and a rank that refused alone would leave the others waiting in it.
+    mesh, ulysses, ring, plan = agree(None, "context_parallel", check)
 
     # diffusers' config wants a ("ring", "ulysses") mesh; unflattening the given one keeps its ranks and groups.
     grid = mesh._unflatten(0, (ring, ulysses), ("ring", "ulysses"))
@@ -274,6 +279,6 @@ def context_parallel(
         processor._parallel_config = config
     apply_context_parallel(model, cp_config, plan)
     registry = HookRegistry.check_if_exists_or_initialize(model)
-    registry.register_hook(_guard_hook(model, plan), _GUARD)  # registered last, so it runs before the split hook
+    registry.register_hook(_guard_hook(model, plan, mesh.size()), _GUARD)  # registered last, so it runs before the split hook
     model._parallel_config = config
     return model

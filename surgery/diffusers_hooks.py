@@ -88,19 +88,57 @@ def remove(model: nn.Module) -> None:
 
 
 def _split_fused_keys(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """Replace the fused keys of this unfused module in `state_dict` by its parts (row slices are views)."""
+    """Replace the fused keys of this unfused module in `state_dict` by its parts (row slices are views).
+
+    What cannot be right is reported the way torch reports a size mismatch (in `error_msgs`, so `load_state_dict`
+    raises even with strict=False): a fused tensor of another size, and a state dict holding both a fused key and its
+    parts. The module's own tensors stand in for the parts then, so the error names the cause (not missing keys) and
+    this module's parameters keep their values.
+    """
     rewrite = next((r for r in _registered() if r.matches_unfused(module)), None)
     if rewrite is None:
         return
     for fused, group in group_by_fused(rewrite.slices(module)):
         tensor = state_dict.get(prefix + fused)
-        if tensor is None or tensor.dim() <= group[0].dim or tensor.shape[group[0].dim] != group[-1].stop:
+        if tensor is None:
             continue
-        if len(group) == 1 and group[0].unfused == fused:
-            continue  # the same key and shape in both layouts
+        dim, total = group[0].dim, group[-1].stop
+        fits = tensor.dim() > dim and tensor.shape[dim] == total
+        own = {s.unfused: _own(module, s.unfused) for s in group}
+        if len(group) == 1 and group[0].unfused == fused and not fits:
+            continue  # the unfused key of the same name (its own size is torch's to check)
+        if not fits:
+            if fused in own and tensor.shape == own[fused].shape:
+                continue  # `to_out.weight` of the unfused layout: a key of both layouts
+            expected = list(own[group[0].unfused].shape)
+            expected[dim] = total
+            error_msgs.append(
+                f"size mismatch for {prefix}{fused}: copying a param with shape {tensor.shape} from checkpoint, the "
+                f"shape in current model is {torch.Size(expected)} (fused from {', '.join(own)}: a checkpoint of "
+                "another config?)."
+            )
+        else:
+            both = sorted(prefix + name for name in own if name != fused and prefix + name in state_dict)
+            if not both:
+                if len(group) == 1 and group[0].unfused == fused:
+                    continue  # the same key and shape in both layouts
+                del state_dict[prefix + fused]
+                for s in group:
+                    state_dict[prefix + s.unfused] = take(tensor, s)[0]
+                continue
+            error_msgs.append(
+                f"{prefix}{fused} and its unfused parts ({', '.join(both)}) are both in the state dict: which should "
+                "load is ambiguous. Pass one layout (the fused one as diffusers writes it, or the unfused one of "
+                "model.state_dict())."
+            )
         del state_dict[prefix + fused]
-        for s in group:
-            state_dict[prefix + s.unfused] = take(tensor, s)[0]
+        for name, value in own.items():  # nothing of this module changes; load_state_dict raises at its end
+            state_dict[prefix + name] = value
+
+
+def _own(module: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf).detach()
 
 
 def _registered():

@@ -104,6 +104,12 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
         return model
     check_model(model, verb)
     check_wrappers(model, verb)
+    if torch.is_inference_mode_enabled() and any(not p.is_meta for _, m, _ in found for p in m.parameters()):
+        raise SurgeryError(
+            f"surgery.{verb}: called inside torch.inference_mode(), where the new parameters would be inference "
+            "tensors that no later backward or optimizer step can use. Call it outside inference_mode (torch.no_grad() "
+            "is enough), then run inference as before."
+        )
     slots_of = _names_by_parameter(model)
     replaced: list[tuple[str, nn.Parameter]] = []
     for path, module, rewrite in found:
@@ -186,8 +192,8 @@ def _names_by_parameter(model: nn.Module) -> dict[int, list[str]]:
 def _check_holders(
     model: nn.Module, replaced: list[tuple[str, nn.Parameter]], optimizers: tuple, verb: str
 ) -> None:
-    """Refuse when an optimizer that was not passed, or a DDP/FSDP wrapper around `model`, holds a parameter that
-    is about to be replaced.
+    """Refuse when an optimizer that was not passed, a DDP/FSDP wrapper around `model`, or a module outside `model`
+    (a tie to an outside Linear) holds a parameter that is about to be replaced.
 
     Nothing registers optimizers or wrappers anywhere, so they are found through Python's garbage collector, which
     knows every live container object. The scan (~0.1-0.2 s in a process with ~400k objects) only runs when some
@@ -206,7 +212,8 @@ def _check_holders(
     from torch.nn.parallel import DistributedDataParallel
 
     passed = {id(opt) for opt in optimizers}
-    wanted = (torch.optim.Optimizer, DistributedDataParallel, FullyShardedDataParallel)
+    inside = {id(m) for m in model.modules()}
+    wanted = (torch.optim.Optimizer, nn.Module)
     kinds: dict[type, bool] = {}
     for obj in gc.get_objects():
         kind = type(obj)
@@ -227,8 +234,25 @@ def _check_holders(
                             f"parameter. Pass it, `surgery.{verb}(model, optimizer=opt)`, so that its parameter groups "
                             f"and state move over, or create the optimizer after surgery.{verb}."
                         )
-        elif any(m is model for m in obj.modules()):
-            raise wrapper_error(type(obj).__name__, wrapper_kind(obj) or type(obj).__name__, verb)
+        elif isinstance(obj, (DistributedDataParallel, FullyShardedDataParallel)):
+            if any(m is model for m in obj.modules()):
+                raise wrapper_error(type(obj).__name__, wrapper_kind(obj) or type(obj).__name__, verb)
+        elif id(obj) not in inside and not _traced(obj):
+            tied = next(((n, p) for n, p in obj._parameters.items() if p is not None and id(p) in suspects), None)
+            if tied is not None:
+                tied, param = tied
+                raise SurgeryError(
+                    f"surgery.{verb}: '{suspects[id(param)]}' is tied to the parameter '{tied}' of a "
+                    f"{type(obj).__name__} outside the model (the same Parameter object); surgery.{verb} would replace "
+                    f"it in the model only and untie them. Untie them first (give the outside {type(obj).__name__} its "
+                    f"own copy: `m.{tied} = nn.Parameter(m.{tied}.detach().clone())`), or tie them again afterwards."
+                )
+
+
+def _traced(module: nn.Module) -> bool:
+    """A tracer's module (fx `GraphModule`s, the plain `nn.Module` roots that `make_fx` keeps constants on): it holds
+    the model's parameters as a graph's inputs, not as a tie that would matter after the rewrite."""
+    return type(module) is nn.Module or isinstance(module, torch.fx.GraphModule)
 
 
 def _param(module: nn.Module, name: str) -> torch.Tensor:

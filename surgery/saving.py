@@ -2,7 +2,8 @@
 
 `surgery.save_pretrained(model, folder)` writes what `fuse` + diffusers' `save_pretrained` would write: the fused
 (diffusers) layout, diffusers' shard names and index, and `config.json`, into a temporary sibling folder that is
-renamed into place when complete. It holds about one tensor in memory beyond the model:
+swapped into place when complete (`surgery.atomic`, which keeps the folder's other files). It holds about one tensor
+in memory beyond the model:
 
 - an unsharded model: each fused tensor is written from its parts one part (row splits) or one block of rows
   (column splits) at a time;
@@ -245,37 +246,30 @@ def _write_checkpoint(folder: Path, entries: list[Entry], max_shard_size: int | 
         (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(text)
 
 
-def _replace(tmp: Path, folder: Path) -> None:
-    """Put the complete `tmp` where `folder` is; an existing folder is moved aside first, then removed."""
-    old = folder.with_name(f".{folder.name}.surgery-old")
-    shutil.rmtree(old, ignore_errors=True)
-    if folder.exists():
-        folder.rename(old)
-    try:
-        tmp.rename(folder)
-    except BaseException:
-        if old.exists():
-            old.rename(folder)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+VERB = "surgery.save_pretrained"
 
 
-def _check(model: nn.Module, folder: Path) -> None:
+def _check(model: nn.Module, folder, max_shard_size) -> Path:
+    """Every refusal of a save, before anything is written; returns the destination, resolved."""
+    from .atomic import destination
+    from .checkpoint import shard_bytes
+
     if not hasattr(model, "save_config"):
         raise SurgeryError(
-            f"surgery.save_pretrained: {type(model).__name__} is not a diffusers model (no save_config); pass the "
+            f"{VERB}: {type(model).__name__} is not a diffusers model (no save_config); pass the "
             "transformer, e.g. pipe.transformer."
         )
-    if folder.is_file():
-        raise SurgeryError(f"surgery.save_pretrained: '{folder}' is a file; pass a folder.")
+    target = destination(folder, VERB)
+    shard_bytes(max_shard_size)
     if getattr(model, "hf_quantizer", None) is not None:
-        raise SurgeryError("surgery.save_pretrained: the model is quantized; save it with model.save_pretrained.")
+        raise SurgeryError(f"{VERB}: the model is quantized; save it with model.save_pretrained.")
     peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if peft:
         raise SurgeryError(
-            f"surgery.save_pretrained: '{peft[0]}' is wrapped by a LoRA adapter. Save the adapter with "
+            f"{VERB}: '{peft[0]}' is wrapped by a LoRA adapter. Save the adapter with "
             "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
         )
+    return target
 
 
 def save_pretrained(
@@ -284,75 +278,151 @@ def save_pretrained(
     """Write `model` (fused, unfused or tensor-parallel) as the stock diffusers checkpoint in `folder`; returns it.
 
     The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
-    names, index and `config.json`), so stock `from_pretrained` loads them. The folder is written as a temporary
-    sibling and renamed into place when complete; an existing `folder` is replaced. A tensor-parallel model must be
-    saved from every rank at once, to a folder every rank sees (rank 0 writes the final files).
+    names, index and `config.json`), so stock `from_pretrained` loads them. The save owns only those files: they are
+    written into a temporary sibling and swapped into place when complete (`surgery.atomic`), and every other file of
+    an existing `folder` (a README, LoRA weights, `samples/`) is kept. A pipeline's root folder is refused (pass its
+    `transformer/`); a second save to the same folder while one runs is refused. A tensor-parallel model must be
+    saved from every rank at once, to one folder every rank sees (rank 0 writes the final files); a rank that never
+    calls it makes the others raise after `SURGERY_HANDSHAKE_TIMEOUT` seconds (default 30). Returns the folder,
+    resolved.
     """
-    folder = Path(folder)
-    _check(model, folder)
-    slices = _checkpoint_slices(model)
-    tmp = folder.with_name(f".{folder.name}.surgery-tmp")
     if not is_sharded(model):
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            _write_checkpoint(tmp, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
-            model.save_config(tmp)
-            _replace(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return folder
-    return _save_sharded(model, folder, tmp, slices, max_shard_size, variant)
+        from .atomic import staged_folder
+        from .checkpoint import owns
+
+        target = _check(model, folder, max_shard_size)
+        slices = _checkpoint_slices(model)
+        with staged_folder(target, owns, VERB) as staged:
+            _write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            model.save_config(staged)
+        return target
+    return _save_sharded(model, folder, max_shard_size, variant)
 
 
-def _save_sharded(model: nn.Module, folder: Path, tmp: Path, slices: list[Slice], max_shard_size, variant) -> Path:
+def _own_failure(error: BaseException, rank: int) -> BaseException | None:
+    """This rank's own error inside torch's distributed checkpoint, which wraps every rank's into one
+    `CheckpointException` raised on all of them (None when this rank's part succeeded)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return error
+    mine = error.failures.get(rank)
+    return None if mine is None else mine[0]
+
+
+def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
+    """Every rank: checks and a handshake, then torch's distributed checkpoint into a temporary folder that rank 0
+    creates; rank 0 streams it into the fused layout and swaps it into place. Four small exchanges (`agree`) make a
+    failure on any rank raise on every rank, naming that rank and its own error."""
+    import secrets
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
+    from .agreement import agree, agree_and_share
+    from .atomic import Staged
+    from .checkpoint import owns
+
     if not dist.is_initialized():
-        raise SurgeryError("surgery.save_pretrained: the model is sharded but torch.distributed is not initialized.")
+        raise SurgeryError(f"{VERB}: the model is sharded but torch.distributed is not initialized.")
     rank = dist.get_rank()
-    error = None
-    if rank == 0:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = f"{type(e).__name__}: {e}"
-    _agree(error, folder)  # before the first collective of the save
-    state_dict = model.state_dict()
-    order = list(state_dict)
+    staged: Staged | None = None
+    marker = ".surgery-save"
+
+    def prepare() -> tuple[Path, str | None, str | None]:
+        nonlocal staged
+        target = _check(model, folder, max_shard_size)
+        if rank != 0:
+            return target, None, None
+        staged = Staged(target, owns, VERB)
+        token = secrets.token_hex(8)
+        (staged.path / marker).write_text(token)
+        return target, staged.path.name, token
+
+    def discard(view: Path | None) -> None:
+        if staged is not None:
+            staged.discard()
+        elif view is not None:
+            shutil.rmtree(view, ignore_errors=True)
+
     try:
+        (target, _, _), shared = agree_and_share(None, "save_pretrained", prepare, lambda r: (r[0].name, *r[1:]))
+    except BaseException:
+        discard(None)
+        raise
+    names = [name for name, _, _ in shared]
+    _, staged_name, token = shared[0]
+    tmp = target.parent / staged_name
+
+    def same_folder():
+        # before anything is written: every rank names the same folder and sees the one rank 0 created
+        if names[rank] != names[0]:
+            raise SurgeryError(f"its folder '{target}' is not rank 0's (named '{names[0]}'): pass the same folder on "
+                               "every rank.")
+        try:
+            seen = (tmp / marker).read_text()
+        except OSError:
+            seen = None
+        if seen != token:
+            raise SurgeryError(
+                f"it does not see the temporary folder rank 0 created beside its destination ('{tmp}' is "
+                "absent here): pass the same folder on every rank, on a file system that every rank shares."
+            )
+        state_dict = model.state_dict()
         # Every rank writes its own shards; DCP consolidates them (on rank 0) into full tensors, one file per tensor
         # so that no rank buffers more than one tensor. DCP names files `model-0000i-of-0000N` with its own index,
         # and cannot join the unfused parts into diffusers' fused keys: that pass follows, streaming.
         writer = HuggingFaceStorageWriter(
             str(tmp / "dcp"),
-            fqn_to_index_mapping={name: i + 1 for i, name in enumerate(order)},
+            fqn_to_index_mapping={name: i + 1 for i, name in enumerate(state_dict)},
             save_distributed=True,
             enable_consolidation=True,
         )
+        return state_dict, writer
+
+    try:
+        state_dict, writer = agree(None, "save_pretrained", same_folder, handshake=False)
+    except BaseException:
+        discard(None)
+        raise
+
+    # From here to the next exchange the only collectives are DCP's, which catches every rank's error (KeyboardInterrupt
+    # included) and raises them on all ranks as one CheckpointException; rank 0's own work follows, alone.
+    error: BaseException | None = None
+    others: BaseException | None = None
+    try:
+        order = list(state_dict)
         dcp.save(state_dict, storage_writer=writer)
         del state_dict
         if rank == 0:
+            slices = _checkpoint_slices(model)
             _write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
+            (tmp / marker).unlink()
             model.save_config(tmp)
-            _replace(tmp, folder)
-    except BaseException as e:  # every rank learns of a failure on any rank, and raises it
-        error = f"{type(e).__name__}: {e}"
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-    _agree(error, folder)
-    return folder
+    except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
+        error = _own_failure(caught, rank)
+        if error is None:  # another rank's failure, which that rank reports below
+            others = caught
+    kept = f"'{target}' is as it was, the temporary folder removed"
+    try:
+        agree(None, "save_pretrained", lambda: _raise(error), during=f"while writing ({kept})", handshake=False)
+        if others is not None:  # DCP raised on every rank, but no rank found its own failure in it: never commit
+            raise SurgeryError(f"{VERB}: torch's distributed checkpoint failed ({kept}): {others}")
+    except BaseException:
+        discard(tmp)  # every rank, in case its view of the folder is its own
+        raise
+    replace_error: BaseException | None = None
+    if staged is not None:
+        try:
+            staged.commit()  # the one rename; it removes the temporary folder itself if it fails
+        except BaseException as caught:  # noqa: BLE001 - told to every rank below
+            replace_error = caught
+    agree(None, "save_pretrained", lambda: _raise(replace_error), during="while replacing the folder",
+          handshake=False)
+    return target
 
 
-def _agree(error: str | None, folder: Path) -> None:
-    """Every rank raises the first rank's failure, or none does."""
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        r, e = failed[0]
-        raise RuntimeError(f"surgery.save_pretrained failed on rank {r}: {e}; '{folder}' is as it was.")
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error

@@ -55,9 +55,25 @@ def _check_parts(name: str, parts: list[torch.Tensor], group: list[Slice]) -> No
                                f"is {first.dtype} {tuple(first.shape)}: they cannot form {name!r}.")
 
 
+def _both_layouts(state_dict: Mapping[str, torch.Tensor], slices: list[Slice], layout: str) -> None:
+    """Refuse a state dict that holds a fused key and its unfused parts: one of them would silently win."""
+    fused = {s.fused for s in slices}
+    parts = {s.unfused for s in slices}
+    other = sorted((parts - fused) if layout == "fused" else (fused - parts))
+    found = [k for k in other if k in state_dict]
+    if found:
+        group = next(g for _, g in group_by_fused(slices) if found[0] in {s.fused for s in g} | {s.unfused for s in g})
+        raise SurgeryError(
+            f"the {layout} state dict also holds {found[0]!r} of the other layout ({len(found)} such key(s)), beside "
+            f"{group[0].fused!r} / {group[0].unfused!r}: which should win is ambiguous. Pass one layout only. Nothing "
+            "was converted."
+        )
+
+
 def unfuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> dict[str, torch.Tensor]:
     """A fused (diffusers) state dict in the unfused layout. Row slices are views; column slices are copies."""
     _missing(state_dict, sorted({s.fused for s in slices}), "fused")
+    _both_layouts(state_dict, slices, "fused")
     sources = {s.fused for s in slices}
     for fused_name, group in group_by_fused(slices):
         _check_fused(fused_name, state_dict[fused_name], group)
@@ -70,6 +86,7 @@ def unfuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice
 def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> dict[str, torch.Tensor]:
     """An unfused state dict in the fused (diffusers) layout; rows that are adjacent views are joined without a copy."""
     _missing(state_dict, [s.unfused for s in slices], "unfused")
+    _both_layouts(state_dict, slices, "unfused")
     targets = {s.unfused for s in slices}
     for fused_name, group in group_by_fused(slices):
         _check_parts(fused_name, [state_dict[s.unfused] for s in group], group)

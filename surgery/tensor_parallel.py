@@ -234,7 +234,8 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
         # the others.
         try:
             agree(mesh, "tensor_parallel", lambda: _raise(error),
-                  during=f"while sharding '{path or '<model>'}', and every rank put its model back as it was")
+                  during=f"while sharding '{path or '<model>'}', and every rank put its model back as it was",
+                  handshake=False)
         except BaseException:
             if error is None:
                 saved.restore()

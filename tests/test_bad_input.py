@@ -131,3 +131,74 @@ class AlreadySharded(unittest.TestCase):
         ):
             surgery.unfuse(model)
         assert_unchanged(model, snap)
+
+
+class InputErrorsAreOneClearLine(unittest.TestCase):
+    """Issue 18's input errors: a `SurgeryError` (the CLI prints it as one line) naming the fix, never torch's or
+    diffusers' bare message."""
+
+    def test_context_parallel_inputs(self):
+        import cp_input_worker
+        from surgery.testing import run_on_cpu_ranks
+
+        for rank, out in enumerate(run_on_cpu_ranks(cp_input_worker.run, 2)):
+            self.assertRegex(out["unnamed"], r"^SurgeryError: surgery.context_parallel: ranks 0, 1: the mesh has no "
+                                             r"dimension name; "
+                                             r"build it with one, e.g. init_device_mesh\('cpu', \(2,\), "
+                                             r"mesh_dim_names=\('cp',\)\)", f"rank {rank}")
+            self.assertRegex(out["odd_tokens"], r"^SurgeryError: surgery.context_parallel: 'hidden_states' has 7 tokens "
+                                                r"along dim 1, which the 2 context-parallel ranks cannot split evenly. "
+                                                r"Use a sequence length divisible by 2 \(e.g. 8", f"rank {rank}")
+            self.assertLessEqual(out["even_tokens"], 1e-5)  # the check refuses nothing that works
+
+    def test_save_into_the_working_folder(self):
+        import os
+        import tempfile
+        from pathlib import Path
+
+        model = surgery.unfuse(build(small_config("klein4b_small")))
+        cwd = os.getcwd()
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                os.chdir(tmp)
+                self.assertEqual(surgery.save_pretrained(model, "."), Path(tmp).resolve())
+                self.assertTrue(Path("config.json").is_file())
+            finally:
+                os.chdir(cwd)
+
+    def test_config_class_that_is_no_model(self):
+        import contextlib
+        import io
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from surgery.cli import main
+
+        for name, what in (("utils", "no diffusers model class"), ("DiffusionPipeline", "a pipeline class, not a model"),
+                           (None, "no diffusers model class")):
+            with tempfile.TemporaryDirectory() as tmp, self.subTest(name):
+                (Path(tmp) / "src").mkdir()
+                (Path(tmp) / "src" / "config.json").write_text(json.dumps({"_class_name": name}))
+                with self.assertRaisesRegex(surgery.SurgeryError, rf"names _class_name {name!r}, which is {what}\. "
+                                                                  "Pass a diffusers model folder"):
+                    surgery.convert_checkpoint(Path(tmp) / "src", Path(tmp) / "out")
+                stderr = io.StringIO()
+                with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit):
+                    main(["convert", str(Path(tmp) / "src"), str(Path(tmp) / "out")])
+                self.assertEqual(len(stderr.getvalue().strip().splitlines()), 1, stderr.getvalue())
+                self.assertNotIn("Traceback", stderr.getvalue())
+
+    def test_explore_port_out_of_range(self):
+        import contextlib
+        import io
+
+        from surgery.cli import main
+
+        for port in ("70000", "0"):
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exit_:
+                main(["explore", "--port", port, "--no-serve"])
+            self.assertEqual(exit_.exception.code, 2)
+            self.assertRegex(stderr.getvalue(), rf"argument --port: a TCP port is 1 to 65535, got {port}\n$")
+            self.assertNotIn("Traceback", stderr.getvalue())

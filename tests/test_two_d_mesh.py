@@ -140,8 +140,9 @@ class Refusals(unittest.TestCase):
         # ranks 0 and 1 (the first CP rank of each CP group) hold the model Ulysses cannot split; 2 and 3 do not
         for rank, result in enumerate(results()):
             self.assertRegex(result["refusals"]["one_rank"], r"6 heads / TP 2 = 3 heads per tensor-parallel rank")
-            if rank >= 2:
-                self.assertRegex(result["refusals"]["one_rank"], r"refused on rank 0; no rank changed the model")  # CP-local
+            # the same message on every rank, naming the ranks that refused (surgery.agreement over the whole job)
+            self.assertRegex(result["refusals"]["one_rank"], r"^surgery.context_parallel: ranks 0, 1: .*"
+                                                             r"\(ranks 2, 3 stopped with it\)$")
 
     def test_each_refusal_names_the_fix_and_leaves_the_model_untouched(self):
         # the worker asserts the model unchanged (modules, parameters, hooks, processors) after each refusal
