@@ -241,6 +241,12 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
 
     from .lora import stock_lora_adapter
 
+    if adapter_name is None:
+        from diffusers.utils.peft_utils import get_adapter_name
+
+        adapter_name = get_adapter_name(self)
+    if adapter_name not in getattr(self, "peft_config", {}):  # diffusers' own check and message, first
+        raise ValueError(f"Adapter name {adapter_name} not found in the model.")
     if upcast_before_saving:
         self.to(dtype=torch.float32)
     state_dict, config = stock_lora_adapter(self, adapter_name)

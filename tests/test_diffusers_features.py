@@ -356,3 +356,35 @@ def test_gradient_checkpointing(family_name, config_name):
         assert error <= TOL, name
     for name, grad in ref_in.items():
         assert rel_err(got_in[name], grad) <= TOL, name
+
+
+# --- LoRA save: diffusers' errors and adapters that unfuse need not split -------------------------------------------
+
+def test_save_lora_adapter_wrong_name_raises_diffusers_error(tmp_path):
+    from peft import LoraConfig
+
+    _, _, stock, unfused = build("flux2", next(iter(surgery.families()["flux2"].test_configs)))
+    for model in (stock, unfused):
+        model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["x_embedder"], init_lora_weights=False))
+        with pytest.raises(ValueError, match="Adapter name foo not found in the model."):
+            model.save_lora_adapter(tmp_path, adapter_name="foo")
+
+
+@pytest.mark.parametrize("extra", [dict(lora_bias=True), dict(use_dora=True)])
+def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, extra):
+    """A LoRA bias or DoRA magnitude on a module `unfuse` leaves whole is saved as stock saves it."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    _, _, stock, unfused = build("flux2", next(iter(surgery.families()["flux2"].test_configs)))
+    saved = {}
+    for name, model in (("stock", stock), ("unfused", unfused)):
+        torch.manual_seed(0)
+        model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["x_embedder", "context_embedder"],
+                                     init_lora_weights=False, **extra))
+        model.save_lora_adapter(tmp_path / name)
+        saved[name] = load_file(tmp_path / name / "pytorch_lora_weights.safetensors")
+    assert sorted(saved["unfused"]) == sorted(saved["stock"])
+    assert any(".lora_B.bias" in k or "magnitude" in k for k in saved["stock"])
+    for key, value in saved["stock"].items():
+        assert torch.equal(saved["unfused"][key], value), key
