@@ -11,13 +11,15 @@ comparing a model with its own copy proves nothing.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import conformance_worker as W
+import features_tp_worker as TPW
 import surgery
-from surgery.testing import rel_err
+from surgery.testing import rel_err, run_on_cpu_ranks
 
 TOL = W.FP32_TOL
 CASES = [(f.name, next(iter(f.test_configs))) for f in W.conformant_families()]
@@ -388,3 +390,59 @@ def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, ex
     assert any(".lora_B.bias" in k or "magnitude" in k for k in saved["stock"])
     for key, value in saved["stock"].items():
         assert torch.equal(saved["unfused"][key], value), key
+
+
+# --- under tensor parallelism (diffusers runs its hooks on whatever the blocks return) ---------------------------------
+
+TP_FEATURES = ["first_block", "taylorseer", "mag", "layer_skip"]
+
+
+@functools.lru_cache(maxsize=None)
+def tp_results() -> list[dict]:
+    """One gloo job at world 2: each family's unfused model sharded, with each feature, against the stock model with
+    the same feature on one device; plus regional compile (eager backend) for one family."""
+    cases = [(n, c, TP_FEATURES) for n, c in CASES if surgery.families()[n].rewrites]
+    compile_case = next(n for n, c, _ in cases if getattr(surgery.families()[n].model_class, "_repeated_blocks", None))
+    cases = [(n, c, f + ["regional_compile"] if n == compile_case else f) for n, c, f in cases]
+    return run_on_cpu_ranks(TPW.run, 2, cases)
+
+
+@pytest.mark.parametrize("feature", TP_FEATURES + ["regional_compile"])
+@pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
+def test_feature_under_tensor_parallel(family_name, config_name, feature):
+    if not surgery.families()[family_name].rewrites:
+        pytest.skip(f"{family_name} is a plans-only family: unfuse changes no module, nothing to compare")
+    results = tp_results()
+    key = f"{family_name}/{feature}"
+    if key not in results[0]:
+        pytest.skip("regional compile under TP runs for one family only (dynamo is slow on 2 cores)")
+    for rank, result in enumerate(results):
+        if "stock_refuses" in result[key]:
+            pytest.skip(f"stock refuses {feature}: {result[key]['stock_refuses']}")
+        assert "error" not in result[key], f"rank {rank}: {result[key].get('error')}"
+        assert max(result[key]["errors"]) <= TOL, f"rank {rank}: {result[key]['errors']}"
+
+
+STOCK_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_out", "proj_mlp",
+                 "to_qkv_mlp_proj", "linear_in"]
+
+
+@pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
+def test_add_adapter_with_stock_target_modules(family_name, config_name, tmp_path):
+    """`add_adapter(LoraConfig(target_modules=<stock names>))` adapts the stock layers: `save_lora_adapter` writes
+    the stock model's keys and shapes (a new part named like a stock module is not picked; a fused module's name
+    picks its parts)."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    _, _, stock, unfused = build(family_name, config_name)
+    saved = {}
+    for name, model in (("stock", stock), ("unfused", unfused)):
+        config = LoraConfig(r=2, lora_alpha=2, target_modules=list(STOCK_TARGETS), init_lora_weights=False)
+        on_stock("add_adapter", lambda m: m.add_adapter(config), model) if name == "stock" else model.add_adapter(config)
+        model.save_lora_adapter(tmp_path / name)
+        # lora_B's rows and lora_A's columns (the adapted layer's sizes); the rank of a fused layer's adapter is
+        # r x parts where the parts were trained separately (joined block-diagonally, exactly)
+        saved[name] = {k: tuple(v.shape)[0 if "lora_B" in k else 1] for k, v in
+                       load_file(tmp_path / name / "pytorch_lora_weights.safetensors").items()}
+    assert saved["unfused"] == saved["stock"]
