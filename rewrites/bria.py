@@ -1,18 +1,16 @@
-"""Bria 3.x (diffusers `BriaTransformer2DModel`): the single-stream block's fused output projection, and attention that
-splits heads by head size so that it runs column-sharded.
+"""Bria 3.x (diffusers `BriaTransformer2DModel`): the single-stream block's fused output projection, and attention
+processors that split heads by head size so that they run column-sharded.
 
-| stock (diffusers)              | rewritten (here)                    | slices                                       |
-|--------------------------------|-------------------------------------|----------------------------------------------|
-| `BriaSingleTransformerBlock`   | `BriaUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, proj_out.mlp |
-| `BriaAttention` (double block) | `BriaSplitHeadsAttention`           | none (same parameters)                       |
+| module (diffusers class, kept) | swapped                                                                            |
+|--------------------------------|------------------------------------------------------------------------------------|
+| `BriaSingleTransformerBlock`   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor    |
+| `BriaAttention` (double block) | processor `BriaAttnProcessor` -> its head-dim twin (`surgery.leaves`)              |
 
-Bria's attention processor is a verbatim copy of LongCat-Image's: its head-size twin is
-`rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
+Bria's structure is LongCat-Image's: the rewrites and plans come from `rewrites.longcat_image`.
 """
 
 from __future__ import annotations
 
-import torch
 from diffusers.models.transformers.transformer_bria import (
     BriaAttention,
     BriaAttnProcessor,
@@ -20,74 +18,17 @@ from diffusers.models.transformers.transformer_bria import (
     BriaTransformer2DModel,
 )
 
-from rewrites.longcat_image import (
-    ATTENTION_TP_PLAN,
-    SINGLE_BLOCK_TP_PLAN,
-    SplitHeadsJointAttnProcessor,
-    attention_rewrite,
-    flux_like_inputs,
-    reduced,
-    single_block_rewrite,
-)
+from rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery.leaves import Processors
 from surgery.registry import Family
 
-
-class BriaSplitHeadsAttention(BriaAttention):
-    """A `BriaAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with its heads
-    split across ranks."""
-
-    _default_processor_cls = SplitHeadsJointAttnProcessor
-    _available_processors = [SplitHeadsJointAttnProcessor]
-
-
-class BriaUnfusedSingleTransformerBlock(BriaSingleTransformerBlock):
-    """`BriaSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
-    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-        attention_kwargs = attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-        return encoder_hidden_states, hidden_states
-
-
-_ATTENTION = attention_rewrite("bria.attention", BriaAttention, BriaSplitHeadsAttention, BriaAttnProcessor)
-REWRITES = (
-    single_block_rewrite(
-        "bria.single_block", BriaSingleTransformerBlock, BriaUnfusedSingleTransformerBlock, _ATTENTION
-    ),
-    _ATTENTION,
-)
+REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))
 
 # The same plans as LongCat-Image's (same submodules): heads and MLP hidden units split across ranks; one all-reduce
 # per single block, one per output projection and feed-forward in the double blocks.
 TP_PLANS = {
-    BriaSplitHeadsAttention: ATTENTION_TP_PLAN,
-    BriaUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    BriaAttention: ATTENTION_TP_PLAN,
+    BriaSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 
 

@@ -1,17 +1,14 @@
-"""Bria FIBO (diffusers `BriaFiboTransformer2DModel`): the single-stream block's fused output projection, and attention
-that splits heads by head size so that it runs column-sharded.
+"""Bria FIBO (diffusers `BriaFiboTransformer2DModel`): the single-stream block's fused output projection, and
+attention processors that split heads by head size so that they run column-sharded.
 
-| stock (diffusers)                            | rewritten (here)                        | slices                 |
-|----------------------------------------------|-----------------------------------------|------------------------|
-| `BriaFiboSingleTransformerBlock`             | `BriaFiboUnfusedSingleTransformerBlock` | proj_out cols ->       |
-|                                              |                                         | proj_out.attn, .mlp    |
-| `BriaFiboAttention` (double block)           | `BriaFiboSplitHeadsAttention`           | none (same parameters) |
-| `Attention` with `BriaAttnProcessor` (single | `BriaFiboSplitHeadsGenericAttention`    | none (same parameters) |
-| block's `attn`)                              |                                         |                        |
+| module (diffusers class, kept)                   | swapped                                                    |
+|--------------------------------------------------|------------------------------------------------------------|
+| `BriaFiboSingleTransformerBlock`                 | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); |
+|                                                  | its `attn` (a generic `Attention` running Bria's processor): |
+|                                                  | processor -> head-dim twin                                 |
+| `BriaFiboAttention` (double block)               | processor `BriaFiboAttnProcessor` -> head-dim twin         |
 
-The single block's `attn` is diffusers' generic `Attention` running Bria's processor; only those `Attention` modules
-(told apart by their processor) are this family's. Both processors are verbatim copies of LongCat-Image's: their
-head-size twin is `rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
+Only the generic `Attention` modules running `BriaAttnProcessor` are this family's (told apart by their processor).
 """
 
 from __future__ import annotations
@@ -26,83 +23,22 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboTransformer2DModel,
 )
 
-from rewrites.longcat_image import (
-    ATTENTION_TP_PLAN,
-    SINGLE_BLOCK_TP_PLAN,
-    SplitHeadsJointAttnProcessor,
-    attention_rewrite,
-    flux_like_inputs,
-    reduced,
-    single_block_rewrite,
-)
+from rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery.leaves import Processors, swap_rewrite
 from surgery.registry import Family
 
-
-class BriaFiboSplitHeadsAttention(BriaFiboAttention):
-    """A `BriaFiboAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with its
-    heads split across ranks."""
-
-    _default_processor_cls = SplitHeadsJointAttnProcessor
-    _available_processors = [SplitHeadsJointAttnProcessor]
-
-
-class BriaFiboSplitHeadsGenericAttention(Attention):
-    """The single block's generic `Attention`, running `SplitHeadsJointAttnProcessor` instead of `BriaAttnProcessor`."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.inner_dim // self.heads
-
-
-class BriaFiboUnfusedSingleTransformerBlock(BriaFiboSingleTransformerBlock):
-    """`BriaFiboSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
-    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict | None = None,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        return hidden_states
-
-
-_ATTENTION = attention_rewrite(
-    "bria_fibo.attention", BriaFiboAttention, BriaFiboSplitHeadsAttention, BriaFiboAttnProcessor
-)
-_SINGLE_BLOCK_ATTENTION = attention_rewrite(
-    "bria_fibo.single_block_attention", Attention, BriaFiboSplitHeadsGenericAttention, BriaAttnProcessor, shared=True
-)
+_SINGLE_ATTENTION = Processors((BriaAttnProcessor,))
 REWRITES = (
-    single_block_rewrite(
-        "bria_fibo.single_block", BriaFiboSingleTransformerBlock, BriaFiboUnfusedSingleTransformerBlock,
-        _SINGLE_BLOCK_ATTENTION,
-    ),
-    _ATTENTION,
-    _SINGLE_BLOCK_ATTENTION,
+    *flux_like_rewrites("bria_fibo", BriaFiboSingleTransformerBlock, BriaFiboAttention,
+                        Processors((BriaFiboAttnProcessor,)), single_attention=_SINGLE_ATTENTION),
+    # a single block's attention outside its block's rewrite (a stock processor set after unfuse)
+    swap_rewrite("bria_fibo.single_block_attention", Attention, processors=_SINGLE_ATTENTION),
 )
 
 # The same plans as LongCat-Image's (same submodules).
 TP_PLANS = {
-    BriaFiboSplitHeadsAttention: ATTENTION_TP_PLAN,
-    BriaFiboUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    BriaFiboAttention: ATTENTION_TP_PLAN,
+    BriaFiboSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 
 

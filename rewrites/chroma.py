@@ -2,10 +2,10 @@
 parameter-free AdaLN norms fed by one `distilled_guidance_layer` (an MLP approximator) instead of per-block
 modulation Linears.
 
-| fused (diffusers)                     | unfused (here)                        | slices                          |
-|---------------------------------------|---------------------------------------|---------------------------------|
-| `ChromaSingleTransformerBlock`        | `ChromaUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn, |
-| (`proj_out(cat([attn, mlp], dim=2))`) | (`proj_out(attn, mlp)`)               | proj_out.mlp (bias on .attn)    |
+| module (diffusers class, kept)  | fused Linear                                  | unfused                        |
+|---------------------------------|-----------------------------------------------|--------------------------------|
+| `ChromaSingleTransformerBlock`  | `proj_out` (reads `cat([attn, mlp], dim=2)`)  | `SplitProjection`: cols ->     |
+|                                 |                                               | `.attn_part` (bias), `.mlp_part` |
 
 Its attention is FLUX.1's `FluxAttention` with the stock `FluxAttnProcessor` (heads split by `head_dim`), its
 feed-forwards diffusers' `FeedForward`: their plans, and the `fuse_qkv_projections()` rewrite, are FLUX.1's
@@ -17,64 +17,17 @@ pooled-text embedder), so a class plan for it would shard FLUX.1's too; and it r
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformer2DModel
 
 from rewrites.flux1 import SINGLE_BLOCK_TP_PLAN, check_single_block, rope_axes, single_block_rewrite
 from surgery.registry import Family
-from surgery.split_projection import SplitProjection
 
+REWRITES = (single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
 
-class ChromaUnfusedSingleTransformerBlock(ChromaSingleTransformerBlock):
-    """`ChromaSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out.attn(attention output) +
-    proj_out.mlp(MLP hidden)` instead of one Linear over their concatenation. The forward is diffusers 0.42.1's,
-    but for that one call."""
-
-    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0):
-        super().__init__(dim, num_attention_heads, attention_head_dim, mlp_ratio)
-        self.proj_out = SplitProjection(dim, self.mlp_hidden_dim, dim, bias=True)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        joint_attention_kwargs: dict[str, Any] | None = None,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-        joint_attention_kwargs = joint_attention_kwargs or {}
-
-        if attention_mask is not None:
-            attention_mask = attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
-
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            attention_mask=attention_mask,
-            **joint_attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        return hidden_states
-
-
-REWRITES = (
-    single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock, ChromaUnfusedSingleTransformerBlock),
-)
-
-# The same submodule names as FLUX.1's unfused single block: the same plan (one all-reduce per block).
-TP_PLANS = {ChromaUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN}
-TP_CHECKS = {ChromaUnfusedSingleTransformerBlock: check_single_block}
+# The same submodule names as FLUX.1's single block: the same plan (one all-reduce per block).
+TP_PLANS = {ChromaSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN}
+TP_CHECKS = {ChromaSingleTransformerBlock: check_single_block}
 
 
 # lodestones/Chroma1-HD and Chroma1-Base transformer/config.json (the `ChromaTransformer2DModel` defaults; diffusers'

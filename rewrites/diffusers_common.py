@@ -4,8 +4,11 @@
 up projection column-sharded, the down projection rowwise (one all-reduce). Its gated variants (GEGLU, SwiGLU) fuse
 gate and up in `net.0.proj` and are refused: a model family that uses them rewrites them first.
 
-`surgery.split_projection.SplitProjection`, the unfused form of a projection of `cat([attn, mlp])` that the
-single-stream blocks of FLUX.1, Chroma, HunyuanVideo and others share.
+diffusers' generic `Attention` is planned in rewrites/qwenimage.py (for the processors that split heads by head_dim,
+QwenImage's and the head-dim twins of `surgery.leaves`).
+
+`surgery.split_projection.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
+`SplitProjection` compose it under its path in their own literal plans (`surgery.leaves.under`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.checks import SurgeryError
 from surgery.registry import Family
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
 FEED_FORWARD_TP_PLAN = {
     "net.0.proj": ColwiseParallel(),
@@ -37,6 +39,6 @@ def _check_feed_forward(module: nn.Module, path: str, world: int) -> None:
 FAMILY = Family(
     name="diffusers-common",
     model_class=None,
-    tp_plans={FeedForward: FEED_FORWARD_TP_PLAN, SplitProjection: SPLIT_PROJECTION_TP_PLAN},
+    tp_plans={FeedForward: FEED_FORWARD_TP_PLAN},
     tp_checks={FeedForward: _check_feed_forward},
 )

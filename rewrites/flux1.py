@@ -1,24 +1,23 @@
 """FLUX.1 (diffusers `FluxTransformer2DModel`: FLUX.1-dev, -schnell, -Kontext, -Fill, -Depth): what is fused, its
 unfused form, the slices between them, and stock tensor-parallel plans.
 
-| fused (diffusers)                     | unfused (here)                      | slices                              |
-|---------------------------------------|-------------------------------------|-------------------------------------|
-| `FluxSingleTransformerBlock`          | `FluxUnfusedSingleTransformerBlock` | proj_out cols -> proj_out.attn,     |
-| (`proj_out(cat([attn, mlp], dim=2))`) | (`proj_out(attn, mlp)`)             | proj_out.mlp (bias on .attn)        |
-| `FluxAttention` after                 | `FluxSplitQKVAttention`             | to_qkv rows -> to_q, to_k, to_v;    |
-| `fuse_qkv_projections()`              |                                     | to_added_qkv rows -> add_q/k/v_proj |
+| module (diffusers class, kept)        | fused Linear               | unfused                                   |
+|---------------------------------------|----------------------------|-------------------------------------------|
+| `FluxSingleTransformerBlock`          | `proj_out` (reads          | `SplitProjection`: cols -> `.attn_part`   |
+|                                       | `cat([attn, mlp], dim=2)`) | (bias), `.mlp_part`                       |
+| `FluxAttention` after                 | `to_qkv`, `to_added_qkv`   | `FluxSplitQKVAttention`: to_q, to_k,      |
+| `fuse_qkv_projections()`              |                            | to_v; add_q/k/v_proj                      |
 
-Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor` splits heads with
-`unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is: no processor twin is needed (the IP-adapter
-processor splits by `attn.heads` and is refused by the tensor-parallel check).
+The single block keeps its class and diffusers' forward: `proj_out` is swapped for a leaf that takes the same
+concatenation (`surgery.leaves`). Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor`
+splits heads with `unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is (the IP-adapter processor
+splits by `attn.heads` and is refused by the tensor-parallel check).
 
 The single-block helpers here (`single_block_rewrite`, `SINGLE_BLOCK_TP_PLAN`) serve every DiT whose single-stream
 block is FLUX.1's with other norms or call arguments (Chroma imports them).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -28,62 +27,22 @@ from diffusers.models.transformers.transformer_flux import (
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
 )
-from torch.distributed.tensor import Partial, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.checks import SurgeryError, check_hooks, check_linear, mesh_sizes_dividing
+from surgery.leaves import columns, swap_rewrite, under
 from surgery.registry import Family, Rewrite
 from surgery.rewrite import fuse, unfuse
 from surgery.slicing import Slice, row_slices
-from surgery.split_projection import SplitProjection, split_projection_slices
+from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.tensor_parallel import per_head_norm
 
 # --- the single-stream block ---------------------------------------------------------------------------------------
 
-
-class FluxUnfusedSingleTransformerBlock(FluxSingleTransformerBlock):
-    """`FluxSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out.attn(attention output) +
-    proj_out.mlp(MLP hidden)` instead of one Linear over their concatenation. The forward is diffusers 0.42.1's,
-    but for that one call."""
-
-    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0):
-        super().__init__(dim, num_attention_heads, attention_head_dim, mlp_ratio)
-        self.proj_out = SplitProjection(dim, self.mlp_hidden_dim, dim, bias=True)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-        return encoder_hidden_states, hidden_states
-
-
-# Heads and MLP hidden units split across ranks; both halves of proj_out leave partial sums, resolved by one
+# Heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums, resolved by one
 # all-reduce at proj_out's output (before the gate and the residual): one collective per block. The block is planned
-# whole (its proj_mlp is a plain Linear), so the attention's and the SplitProjection's entries are spelled out here.
+# whole (its proj_mlp is a plain Linear), so the attention's entries are spelled out here and proj_out's are the
+# shared SplitProjection plan.
 HEAD_NORM = per_head_norm(2)  # QK-norms on [batch, seq, heads, head_dim], each rank's own heads
 
 SINGLE_BLOCK_TP_PLAN = {
@@ -93,25 +52,11 @@ SINGLE_BLOCK_TP_PLAN = {
     "attn.norm_q": HEAD_NORM,
     "attn.norm_k": HEAD_NORM,
     "proj_mlp": ColwiseParallel(),
-    "proj_out.attn": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out.mlp": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
-
-def _single_block_slices(m: nn.Module) -> list[Slice]:
-    # the fused proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's
-    split = isinstance(m.proj_out, SplitProjection)
-    attn_features = None if split else m.proj_out.in_features - m.mlp_hidden_dim
-    return split_projection_slices("proj_out", m.proj_out, attn_features=attn_features)
-
-
-def _single_block_kwargs(m: nn.Module) -> dict:
-    dim = m.proj_mlp.in_features
-    mlp_ratio = m.mlp_hidden_dim / dim
-    if int(dim * mlp_ratio) != m.mlp_hidden_dim:  # float round trip; never for published configs
-        raise SurgeryError(f"{type(m).__name__}: mlp_hidden_dim {m.mlp_hidden_dim} is not int({dim} * a ratio).")
-    return dict(dim=dim, num_attention_heads=m.attn.heads, attention_head_dim=m.attn.head_dim, mlp_ratio=mlp_ratio)
+# the fused proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's
+PROJ_OUT = columns("proj_out", lambda m: m.proj_out.in_features - m.mlp_hidden_dim)
 
 
 def _nested_qkv(attn: nn.Module, unfusing: bool) -> bool:
@@ -129,17 +74,9 @@ def _other_attention(attn: nn.Module, unfusing: bool) -> nn.Module:
     return unfuse(attn) if unfusing else fuse(attn)
 
 
-def single_block_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module]) -> Rewrite:
-    """The rewrite between a FLUX.1-style single-stream block class and its `SplitProjection` subclass: same
-    constructor arguments (dim, heads, head_dim, mlp_ratio), every submodule but `proj_out` shared."""
-
-    def build(m: nn.Module, cls: type[nn.Module], unfusing: bool) -> nn.Module:
-        with torch.device("meta"):
-            new = cls(**_single_block_kwargs(m))
-        for child in ("norm", "proj_mlp", "act_mlp"):
-            setattr(new, child, getattr(m, child))
-        new.attn = _other_attention(m.attn, unfusing)
-        return new
+def single_block_rewrite(name: str, cls: type[nn.Module]) -> Rewrite:
+    """The rewrite of a FLUX.1-style single-stream block class: `proj_out` swapped for a `SplitProjection`, the
+    block's class and forward kept; its attention, where `fuse_qkv_projections()` fused it, converted along."""
 
     def check(m: nn.Module, path: str, verb: str) -> None:
         """What the nested attention's conversion relies on, checked with the rest before anything is swapped."""
@@ -151,15 +88,7 @@ def single_block_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Mod
             check_linear(linear, f"{path}.attn.{name}", verb)
             check_hooks(linear, f"{path}.attn.{name}", verb)
 
-    return Rewrite(
-        name=name,
-        fused=fused,
-        unfused=unfused,
-        slices=_single_block_slices,
-        build_unfused=lambda m: build(m, unfused, True),
-        build_fused=lambda m: build(m, fused, False),
-        check=check,
-    )
+    return swap_rewrite(name, cls, leaves=(PROJ_OUT,), children={"attn": _other_attention}, check=check)
 
 
 # --- fuse_qkv_projections() --------------------------------------------------------------------------------------
@@ -291,7 +220,7 @@ def check_attention_processor(module: nn.Module, path: str, world: int) -> None:
 
 
 REWRITES = (
-    single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock, FluxUnfusedSingleTransformerBlock),
+    single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock),
     Rewrite(
         name="flux1.fused_qkv_attention",
         fused=FluxAttention,
@@ -307,12 +236,12 @@ REWRITES = (
 TP_PLANS = {
     FluxAttention: ATTENTION_TP_PLAN,
     FluxSplitQKVAttention: ATTENTION_TP_PLAN,
-    FluxUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    FluxSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 TP_CHECKS = {
     FluxAttention: check_attention_processor,
     FluxSplitQKVAttention: check_attention_processor,
-    FluxUnfusedSingleTransformerBlock: check_single_block,
+    FluxSingleTransformerBlock: check_single_block,
 }
 
 

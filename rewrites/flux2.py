@@ -1,251 +1,83 @@
-"""FLUX.2 (diffusers `Flux2Transformer2DModel`): the fused modules, their unfused forms and the slices between them.
+"""FLUX.2 (diffusers `Flux2Transformer2DModel`): the fused leaves, their unfused forms and the slices between them.
 
-| fused (diffusers)                       | unfused (here)                        | slices                                        |
-|-----------------------------------------|---------------------------------------|-----------------------------------------------|
-| `Flux2ParallelSelfAttention`            | `Flux2UnfusedParallelSelfAttention`   | to_qkv_mlp_proj rows -> to_q, to_k, to_v,     |
-|   (single-stream `attn`)                |                                       |   mlp.linear_gate, mlp.linear_up;             |
-|                                         |                                       | to_out cols -> to_out, mlp.linear_out         |
-| `Flux2FeedForward` (`ff`, `ff_context`) | `Flux2UnfusedFeedForward`             | linear_in rows -> linear_gate, linear_up      |
-| `Flux2Attention` after                  | `Flux2SplitQKVAttention`              | to_qkv rows -> to_q, to_k, to_v;              |
-|   `fuse_qkv_projections()`              |                                       | to_added_qkv rows -> add_q/k/v_proj           |
+Every stock class, forward and processor stays; only the fused Linears are swapped for leaves that compute the same
+function behind the same call (`surgery.leaves`):
 
-Unfused forwards split heads by `head_dim` only, so the same code runs whole or column-sharded.
+| module (diffusers class, kept)          | fused Linear        | unfused leaf                                      |
+|-----------------------------------------|---------------------|---------------------------------------------------|
+| `Flux2ParallelSelfAttention`            | `to_qkv_mlp_proj`   | `SplitRows`: rows -> `.q`, `.k`, `.v`, `.gate`,   |
+|   (single-stream `attn`)                |                     |   `.up` (views)                                   |
+|                                         | `to_out`            | `SplitProjection`: cols -> `.attn_part` (bias),   |
+|                                         |                     |   `.mlp_part`                                     |
+| `Flux2FeedForward` (`ff`, `ff_context`) | `linear_in`         | `SplitRows`: rows -> `.gate`, `.up` (views)       |
+| `Flux2Attention` after                  | `to_qkv`            | `Flux2SplitQKVAttention`: to_q, to_k, to_v;       |
+|   `fuse_qkv_projections()`              | `to_added_qkv`      |   add_q/k/v_proj                                  |
+
+diffusers 0.42.1's single-stream processors (`Flux2ParallelSelfAttnProcessor`, the Klein KV one) already split the
+projection by the global QKV:MLP ratio and heads by `head_dim`, and `Flux2SwiGLU` chunks its input in two: with the
+leaves returning each rank's share of every part in order, the stock processors run whole or column-sharded.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from diffusers.models.attention import AttentionModuleMixin
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_flux2 import (
     Flux2Attention,
     Flux2FeedForward,
-    Flux2KVLayerCache,
-    Flux2KVParallelSelfAttnProcessor,
     Flux2ParallelSelfAttention,
-    Flux2ParallelSelfAttnProcessor,
     Flux2Transformer2DModel,
-    _flux2_kv_causal_attention,
 )
-from einops import rearrange
-from torch.distributed.tensor import Partial, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.checks import SurgeryError
+from surgery.leaves import columns, rows, swap_rewrite, under
 from surgery.registry import Family, Rewrite
-from surgery.slicing import Slice, column_slices, row_slices
+from surgery.slicing import Slice, row_slices
+from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.tensor_parallel import per_head_norm
 
-
-class Flux2UnfusedFeedForward(nn.Module):
-    """SwiGLU feed-forward with separate gate and up projections: `linear_out(silu(linear_gate(x)) * linear_up(x))`."""
-
-    def __init__(
-        self,
-        dim: int,
-        dim_out: int | None = None,
-        mult: float = 3.0,
-        inner_dim: int | None = None,
-        bias: bool = False,
-        out_bias: bool | None = None,
-    ):
-        super().__init__()
-        inner_dim = inner_dim or int(dim * mult)
-        self.linear_gate = nn.Linear(dim, inner_dim, bias=bias)
-        self.linear_up = nn.Linear(dim, inner_dim, bias=bias)
-        self.act_fn = nn.SiLU()
-        self.linear_out = nn.Linear(inner_dim, dim_out or dim, bias=bias if out_bias is None else out_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_out(self.act_fn(self.linear_gate(x)) * self.linear_up(x))
+# --- the leaves -----------------------------------------------------------------------------------------------------
 
 
-# gate and up split the hidden units across ranks; linear_out all-reduces once.
-FEED_FORWARD_TP_PLAN = {
-    "linear_gate": ColwiseParallel(),
-    "linear_up": ColwiseParallel(),
-    "linear_out": RowwiseParallel(),
-}
+def _qkv_mlp_parts(m: nn.Module) -> list[tuple[str, int]]:
+    inner, mlp = m.inner_dim, m.mlp_hidden_dim
+    return [("q", inner), ("k", inner), ("v", inner), ("gate", mlp), ("up", mlp)]
 
 
-def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    return rearrange(x, "b s (h d) -> b s h d", d=head_dim)
+def _gate_up_parts(m: nn.Module) -> list[tuple[str, int]]:
+    hidden = m.linear_in.out_features // 2
+    return [("gate", hidden), ("up", hidden)]
 
 
-class Flux2UnfusedParallelSelfAttnProcessor:
-    """`Flux2ParallelSelfAttnProcessor` for the unfused module: `to_out(attention) + mlp(x)`."""
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __call__(
-        self,
-        attn: "Flux2UnfusedParallelSelfAttention",
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        return self._forward(attn, hidden_states, attention_mask, image_rotary_emb)
-
-    def _forward(
-        self,
-        attn: "Flux2UnfusedParallelSelfAttention",
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-        kv_cache: Flux2KVLayerCache | None = None,
-        kv_cache_mode: str | None = None,
-        num_txt_tokens: int = 0,
-        num_ref_tokens: int = 0,
-    ) -> torch.Tensor:
-        query = attn.norm_q(_split_heads(attn.to_q(hidden_states), attn.head_dim))
-        key = attn.norm_k(_split_heads(attn.to_k(hidden_states), attn.head_dim))
-        value = _split_heads(attn.to_v(hidden_states), attn.head_dim)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
-        if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
-            ref = slice(num_txt_tokens, num_txt_tokens + num_ref_tokens)
-            kv_cache.store(key[:, ref].clone(), value[:, ref].clone())
-
-        if kv_cache_mode == "extract" and num_ref_tokens > 0:
-            attended = _flux2_kv_causal_attention(
-                query, key, value, num_txt_tokens, num_ref_tokens, backend=self._attention_backend
-            )
-        elif kv_cache_mode == "cached" and kv_cache is not None:
-            attended = _flux2_kv_causal_attention(
-                query, key, value, num_txt_tokens, 0, kv_cache=kv_cache, backend=self._attention_backend
-            )
-        else:
-            attended = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
-        attended = attended.flatten(2, 3).to(query.dtype)
-        return attn.to_out(attended) + attn.mlp(hidden_states)
-
-
-class Flux2UnfusedKVParallelSelfAttnProcessor(Flux2UnfusedParallelSelfAttnProcessor):
-    """`Flux2KVParallelSelfAttnProcessor` for the unfused module (Klein KV-cache `extract` / `cached` modes)."""
-
-    def __call__(
-        self,
-        attn: "Flux2UnfusedParallelSelfAttention",
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        kv_cache: Flux2KVLayerCache | None = None,
-        kv_cache_mode: str | None = None,
-        num_txt_tokens: int = 0,
-        num_ref_tokens: int = 0,
-    ) -> torch.Tensor:
-        return self._forward(
-            attn, hidden_states, attention_mask, image_rotary_emb, kv_cache, kv_cache_mode, num_txt_tokens, num_ref_tokens
-        )
-
-
-# Stock processor class <-> the unfused module's equivalent; `set_processor` translates, so pipelines that install
-# stock processors (the Klein KV pipeline does) keep working on the unfused model.
-_UNFUSED_PROCESSOR = {
-    Flux2ParallelSelfAttnProcessor: Flux2UnfusedParallelSelfAttnProcessor,
-    Flux2KVParallelSelfAttnProcessor: Flux2UnfusedKVParallelSelfAttnProcessor,
-}
-_STOCK_PROCESSOR = {unfused: stock for stock, unfused in _UNFUSED_PROCESSOR.items()}
-
-
-def _translate(processor, table: dict):
-    """The same processor as an instance of its counterpart class, keeping its attention backend and parallel config."""
-    counterpart = table.get(type(processor))
-    if counterpart is None:
-        return processor
-    translated = counterpart.__new__(counterpart)
-    translated.__dict__.update(processor.__dict__)
-    return translated
-
-
-class Flux2UnfusedParallelSelfAttention(nn.Module, AttentionModuleMixin):
-    """`Flux2ParallelSelfAttention` with separate projections: q, k, v and a SwiGLU `mlp` run in parallel, summed.
-
-    Same constructor, attributes (`heads`, `inner_dim`, `mlp_hidden_dim`, ... as global sizes) and call signature as
-    the stock module. The fused `to_out` becomes `to_out` (attention columns, with the bias if any) + `mlp.linear_out`.
-    """
-
-    _default_processor_cls = Flux2UnfusedParallelSelfAttnProcessor
-    _available_processors = [Flux2UnfusedParallelSelfAttnProcessor, Flux2UnfusedKVParallelSelfAttnProcessor]
-    _supports_qkv_fusion = False
-
-    def __init__(
-        self,
-        query_dim: int,
-        heads: int = 8,
-        dim_head: int = 64,
-        dropout: float = 0.0,
-        bias: bool = False,
-        out_bias: bool = True,
-        eps: float = 1e-5,
-        out_dim: int | None = None,
-        elementwise_affine: bool = True,
-        mlp_ratio: float = 4.0,
-        mlp_mult_factor: int = 2,
-        processor=None,
-    ):
-        super().__init__()
-        if mlp_mult_factor != 2:
-            raise ValueError(f"mlp_mult_factor={mlp_mult_factor}: the unfused MLP is SwiGLU (gate, up), so it must be 2.")
-        self.head_dim = dim_head
-        self.inner_dim = out_dim if out_dim is not None else dim_head * heads
-        self.query_dim = query_dim
-        self.out_dim = out_dim if out_dim is not None else query_dim
-        self.heads = out_dim // dim_head if out_dim is not None else heads
-        self.use_bias = bias
-        self.dropout = dropout
-        self.mlp_ratio = mlp_ratio
-        self.mlp_hidden_dim = int(query_dim * mlp_ratio)
-        self.mlp_mult_factor = mlp_mult_factor
-
-        self.to_q = nn.Linear(query_dim, self.inner_dim, bias=bias)
-        self.to_k = nn.Linear(query_dim, self.inner_dim, bias=bias)
-        self.to_v = nn.Linear(query_dim, self.inner_dim, bias=bias)
-        self.norm_q = nn.RMSNorm(dim_head, eps=eps, elementwise_affine=elementwise_affine)
-        self.norm_k = nn.RMSNorm(dim_head, eps=eps, elementwise_affine=elementwise_affine)
-        self.to_out = nn.Linear(self.inner_dim, self.out_dim, bias=out_bias)
-        self.mlp = Flux2UnfusedFeedForward(
-            query_dim, self.out_dim, inner_dim=self.mlp_hidden_dim, bias=bias, out_bias=False
-        )
-        self.set_processor(processor if processor is not None else self._default_processor_cls())
-
-    def set_processor(self, processor) -> None:
-        """Install `processor`; a stock Flux2 single-stream processor is swapped for its unfused equivalent."""
-        super().set_processor(_translate(processor, _UNFUSED_PROCESSOR))
-
-    # The stock forward only filters kwargs by the processor's signature and calls it: reuse it as is.
-    forward = Flux2ParallelSelfAttention.forward
-
+PARALLEL_SELF_ATTENTION = swap_rewrite(
+    "flux2.parallel_self_attention",
+    Flux2ParallelSelfAttention,
+    leaves=(rows("to_qkv_mlp_proj", _qkv_mlp_parts), columns("to_out", lambda m: m.inner_dim)),
+)
+FEED_FORWARD = swap_rewrite("flux2.feed_forward", Flux2FeedForward, leaves=(rows("linear_in", _gate_up_parts),))
 
 # QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
 HEAD_NORM = per_head_norm(2)
 
-# Heads and MLP hidden units split across ranks. Both output projections leave partial sums, and the module's output
-# resolves their sum with one all-reduce: one collective per single-stream block.
+# gate and up split the hidden units across ranks; linear_out all-reduces once.
+FEED_FORWARD_TP_PLAN = {
+    "linear_in.gate": ColwiseParallel(),
+    "linear_in.up": ColwiseParallel(),
+    "linear_out": RowwiseParallel(),
+}
+
+# Heads and MLP hidden units split across ranks. Both parts of `to_out` leave partial sums, and its output resolves
+# their sum with one all-reduce: one collective per single-stream block.
 PARALLEL_SELF_ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
+    "to_qkv_mlp_proj.q": ColwiseParallel(),
+    "to_qkv_mlp_proj.k": ColwiseParallel(),
+    "to_qkv_mlp_proj.v": ColwiseParallel(),
+    "to_qkv_mlp_proj.gate": ColwiseParallel(),
+    "to_qkv_mlp_proj.up": ColwiseParallel(),
     "norm_q": HEAD_NORM,
     "norm_k": HEAD_NORM,
-    "mlp.linear_gate": ColwiseParallel(),
-    "mlp.linear_up": ColwiseParallel(),
-    "to_out": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "mlp.linear_out": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    **under("to_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
 
@@ -284,27 +116,7 @@ class Flux2SplitQKVAttention(Flux2Attention):
         self.fused_projections = False
 
 
-# --- slices: which rows/columns of each fused parameter each unfused parameter is (for either form) ---------------
-
-
-def _parallel_self_attention_slices(m: nn.Module) -> list[Slice]:
-    inner, mlp = m.inner_dim, m.mlp_hidden_dim
-    rows = [("to_q", inner), ("to_k", inner), ("to_v", inner), ("mlp.linear_gate", mlp), ("mlp.linear_up", mlp)]
-    slices = row_slices("to_qkv_mlp_proj", rows, "weight")
-    if m.use_bias:
-        slices += row_slices("to_qkv_mlp_proj", rows, "bias")
-    bias = m.to_out.bias is not None
-    return slices + column_slices(
-        "to_out", [("to_out", inner), ("mlp.linear_out", mlp)], "to_out" if bias else None, m.out_dim
-    )
-
-
-def _feed_forward_slices(m: nn.Module) -> list[Slice]:
-    fused = isinstance(m, Flux2FeedForward)
-    first = m.linear_in if fused else m.linear_gate
-    hidden = first.out_features // 2 if fused else first.out_features
-    rows = [("linear_gate", hidden), ("linear_up", hidden)]
-    return row_slices("linear_in", rows, "weight") + (row_slices("linear_in", rows, "bias") if first.bias is not None else [])
+# --- fuse_qkv_projections(): slices and builders ------------------------------------------------------------
 
 
 def _split_qkv_slices(m: nn.Module) -> list[Slice]:
@@ -337,67 +149,11 @@ def _attention_kwargs(m: nn.Module) -> dict:
     )
 
 
-def _parallel_self_attention_kwargs(m: nn.Module) -> dict:
-    return dict(
-        _attention_kwargs(m),
-        out_bias=m.to_out.bias is not None,
-        mlp_ratio=m.mlp_ratio,
-        mlp_mult_factor=m.mlp_mult_factor,
-    )
-
-
 def _adopt(new: nn.Module, old: nn.Module, names: list[str]) -> nn.Module:
     for name in names:
         if hasattr(old, name):
             setattr(new, name, getattr(old, name))
     return new
-
-
-def _unfuse_parallel_self_attention(m: Flux2ParallelSelfAttention) -> Flux2UnfusedParallelSelfAttention:
-    with torch.device("meta"):
-        new = Flux2UnfusedParallelSelfAttention(**_parallel_self_attention_kwargs(m), processor=m.processor)
-    return _adopt(new, m, ["norm_q", "norm_k"])
-
-
-def _fuse_parallel_self_attention(m: Flux2UnfusedParallelSelfAttention) -> Flux2ParallelSelfAttention:
-    with torch.device("meta"):
-        new = Flux2ParallelSelfAttention(
-            **_parallel_self_attention_kwargs(m), processor=_translate(m.processor, _STOCK_PROCESSOR)
-        )
-    return _adopt(new, m, ["norm_q", "norm_k"])
-
-
-def _check_processor(m: nn.Module, path: str, verb: str) -> None:
-    known = _UNFUSED_PROCESSOR if isinstance(m, Flux2ParallelSelfAttention) else _STOCK_PROCESSOR
-    if type(m.processor) not in known:
-        raise SurgeryError(
-            f"surgery.{verb}: '{path}' uses a custom attention processor {type(m.processor).__name__}, written for "
-            f"the other form's projections. Set one of {[c.__name__ for c in known]} first (set_attn_processor), "
-            f"run surgery.{verb}, then install a processor written for {type(m).__name__}'s counterpart."
-        )
-
-
-def _unfuse_feed_forward(m: Flux2FeedForward) -> Flux2UnfusedFeedForward:
-    with torch.device("meta"):
-        new = Flux2UnfusedFeedForward(
-            m.linear_in.in_features,
-            m.linear_out.out_features,
-            inner_dim=m.linear_in.out_features // 2,
-            bias=m.linear_in.bias is not None,
-            out_bias=m.linear_out.bias is not None,
-        )
-    return _adopt(new, m, ["linear_out"])
-
-
-def _fuse_feed_forward(m: Flux2UnfusedFeedForward) -> Flux2FeedForward:
-    with torch.device("meta"):
-        new = Flux2FeedForward(
-            m.linear_gate.in_features,
-            m.linear_out.out_features,
-            inner_dim=m.linear_gate.out_features,
-            bias=m.linear_gate.bias is not None,
-        )
-    return _adopt(new, m, ["linear_out"])
 
 
 _ATTENTION_SHARED = ["norm_q", "norm_k", "to_out", "norm_added_q", "norm_added_k", "to_add_out"]
@@ -431,23 +187,8 @@ def _join_qkv(m: Flux2SplitQKVAttention) -> Flux2Attention:
 
 
 REWRITES = (
-    Rewrite(
-        name="flux2.parallel_self_attention",
-        fused=Flux2ParallelSelfAttention,
-        unfused=Flux2UnfusedParallelSelfAttention,
-        slices=_parallel_self_attention_slices,
-        build_unfused=_unfuse_parallel_self_attention,
-        build_fused=_fuse_parallel_self_attention,
-        check=_check_processor,
-    ),
-    Rewrite(
-        name="flux2.feed_forward",
-        fused=Flux2FeedForward,
-        unfused=Flux2UnfusedFeedForward,
-        slices=_feed_forward_slices,
-        build_unfused=_unfuse_feed_forward,
-        build_fused=_fuse_feed_forward,
-    ),
+    PARALLEL_SELF_ATTENTION,
+    FEED_FORWARD,
     Rewrite(
         name="flux2.fused_qkv_attention",
         fused=Flux2Attention,
@@ -463,8 +204,8 @@ REWRITES = (
 TP_PLANS = {
     Flux2Attention: ATTENTION_TP_PLAN,
     Flux2SplitQKVAttention: ATTENTION_TP_PLAN,
-    Flux2UnfusedFeedForward: FEED_FORWARD_TP_PLAN,
-    Flux2UnfusedParallelSelfAttention: PARALLEL_SELF_ATTENTION_TP_PLAN,
+    Flux2FeedForward: FEED_FORWARD_TP_PLAN,
+    Flux2ParallelSelfAttention: PARALLEL_SELF_ATTENTION_TP_PLAN,
 }
 
 

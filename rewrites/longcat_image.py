@@ -1,266 +1,62 @@
 """LongCat-Image (diffusers `LongCatImageTransformer2DModel`): the single-stream block's fused output projection, and
-attention that splits heads by head size so that it runs column-sharded.
+attention processors that split heads by head size so that they run column-sharded.
 
-| stock (diffusers)                    | rewritten (here)                            | slices                       |
-|--------------------------------------|---------------------------------------------|------------------------------|
-| `LongCatImageSingleTransformerBlock` | `LongCatImageUnfusedSingleTransformerBlock` | proj_out cols -> .attn, .mlp |
-|                                      | (proj_out a `SplitProjection`)              |                              |
-| `LongCatImageAttention`              | `LongCatImageSplitHeadsAttention`           | none                         |
+| module (diffusers class, kept)       | swapped                                                                  |
+|--------------------------------------|--------------------------------------------------------------------------|
+| `LongCatImageSingleTransformerBlock` | `proj_out` -> `SplitProjection` (cols -> `.attn_part` with the bias,     |
+|                                      | `.mlp_part`); its `attn`'s processor -> head-dim twin                    |
+| `LongCatImageAttention`              | processor `LongCatImageAttnProcessor` -> its head-dim twin               |
 
 diffusers' `LongCatImageAttnProcessor` reshapes with the stored head count (`unflatten(-1, (attn.heads, -1))`), wrong
-on a rank that holds `heads / N` of them. `SplitHeadsJointAttnProcessor` is the same code with `(-1, attn.head_dim)`;
-diffusers copied that processor verbatim into Ovis-Image, Bria and Bria-Fibo, whose files here reuse it and the
-builders below.
+on a rank that holds `heads / N` of them. `surgery.leaves.head_dim_twin` builds its twin from the stock source with
+that one edit (heads split by `head_dim`); blocks, forwards and attention classes stay diffusers' own. Ovis-Image,
+Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites` and the plans below.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn as nn
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_longcat_image import (
     LongCatImageAttention,
     LongCatImageAttnProcessor,
     LongCatImageSingleTransformerBlock,
     LongCatImageTransformer2DModel,
 )
-from torch.distributed.tensor import Partial, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from rewrites.hunyuan_image import recast
-from surgery.checks import SurgeryError
+from surgery.leaves import Leaf, Processors, columns, swap_rewrite, under
 from surgery.registry import Family, Rewrite
-from surgery.split_projection import fused_linear_like, split_projection_like, split_projection_slices
+from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.tensor_parallel import per_head_norm
 
-
-class SplitHeadsJointAttnProcessor:
-    """The joint-attention processor diffusers 0.42.1 ships as `LongCatImageAttnProcessor` (and, verbatim, Ovis-Image's,
-    Bria's and Bria-Fibo's), heads split by `attn.head_dim` instead of counted. Projections are separate (to_q, to_k,
-    to_v): the rewrites refuse modules fused with `fuse_projections()`."""
-
-    _attention_backend = None
-    _parallel_config = None
-
-    def __call__(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        query = attn.to_q(hidden_states).unflatten(-1, (-1, attn.head_dim))
-        key = attn.to_k(hidden_states).unflatten(-1, (-1, attn.head_dim))
-        value = attn.to_v(hidden_states).unflatten(-1, (-1, attn.head_dim))
-
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-
-        if attn.added_kv_proj_dim is not None:
-            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))
-            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))
-            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, attn.head_dim))
-
-            encoder_query = attn.norm_added_q(encoder_query)
-            encoder_key = attn.norm_added_k(encoder_key)
-
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
-            value = torch.cat([encoder_value, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-
-        if encoder_hidden_states is not None:
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-            )
-            hidden_states = attn.to_out[0](hidden_states.contiguous())
-            hidden_states = attn.to_out[1](hidden_states)
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-
-            return hidden_states, encoder_hidden_states
-        else:
-            return hidden_states
+# The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
+PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)
 
 
-class LongCatImageSplitHeadsAttention(LongCatImageAttention):
-    """A `LongCatImageAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with
-    its heads split across ranks."""
-
-    _default_processor_cls = SplitHeadsJointAttnProcessor
-    _available_processors = [SplitHeadsJointAttnProcessor]
-
-
-class LongCatImageUnfusedSingleTransformerBlock(LongCatImageSingleTransformerBlock):
-    """`LongCatImageSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
-    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-        return encoder_hidden_states, hidden_states
-
-
-# --- rewrites for a FLUX-like family: its attention class and processor, its single-stream block -------------------
-
-
-def attention_rewrite(
-    name: str, stock: type, twin: type, stock_processor: type, shared: bool = False,
-    twin_processor: type = SplitHeadsJointAttnProcessor,
-) -> Rewrite:
-    """`stock` attention (running `stock_processor`) <-> `twin` (running `twin_processor`): no slices.
-
-    `shared`: `stock` serves other families too (diffusers' generic `Attention`); only the modules running
-    `stock_processor` are this family's, the others are left to their own families.
-    """
-
-    def check(attention: nn.Module, path: str, verb: str) -> None:
-        expected = stock_processor if type(attention) is stock else twin_processor
-        if type(attention.processor) is not expected:
-            raise SurgeryError(
-                f"surgery.{verb}: '{path}' runs a custom attention processor {type(attention.processor).__name__}; "
-                f"{verb} would replace it. Set {expected.__name__} first (set_attn_processor), run surgery.{verb}, "
-                "then install yours again."
-            )
-        if getattr(attention, "fused_projections", False):
-            raise SurgeryError(
-                f"surgery.{verb}: '{path}' has fused q/k/v projections (fuse_projections); call "
-                f"unfuse_qkv_projections() on the model first, then surgery.{verb}."
-            )
-
-    def split_heads(attention: nn.Module) -> nn.Module:
-        new = recast(attention, twin)
-        new.set_processor(twin_processor())
-        return new
-
-    def count_heads(attention: nn.Module) -> nn.Module:
-        new = recast(attention, stock)
-        new.set_processor(stock_processor())
-        return new
-
-    return Rewrite(
-        name=name,
-        fused=stock,
-        unfused=twin,
-        slices=lambda attention: [],
-        build_unfused=split_heads,
-        build_fused=count_heads,
-        is_fused=(lambda attention: type(attention.processor) is stock_processor) if shared else (lambda a: True),
-        check=check,
+def flux_like_rewrites(
+    prefix: str,
+    single_block: type[nn.Module],
+    attention: type[nn.Module],
+    processors: Processors,
+    single_attention: Processors | None = None,
+    leaves: tuple[Leaf, ...] = (),
+    children: dict | None = None,
+    unfused_single_block: type[nn.Module] | None = None,
+) -> tuple[Rewrite, ...]:
+    """A FLUX-like family's rewrites: the single block's `proj_out` (and any other `leaves`) swapped, its `attn`'s
+    processor (`single_attention`, default `processors`) swapped for the head-dim twin, and the double blocks'
+    `attention` modules' processors likewise."""
+    single_attention = single_attention or processors
+    return (
+        swap_rewrite(f"{prefix}.single_block", single_block, leaves=(*leaves, PROJ_OUT),
+                     children={"attn": single_attention, **(children or {})}, unfused_class=unfused_single_block),
+        swap_rewrite(f"{prefix}.attention", attention, processors=processors),
     )
 
 
-@dataclass(frozen=True)
-class MLPSplit:
-    """How a single-stream block's fused `proj_mlp` splits (Ovis-Image's gated MLP): `slices(block)`, and the children
-    that take `proj_mlp`'s place either way, as `recast` keywords: `unfused(block)`, `fused(block)`."""
-
-    slices: Callable[[nn.Module], list]
-    unfused: Callable[[nn.Module], dict]
-    fused: Callable[[nn.Module], dict]
-
-
-def single_block_rewrite(
-    name: str, stock: type, unfused: type, attention: Rewrite, mlp: MLPSplit | None = None,
-    nested: dict[str, Rewrite] | None = None,
-) -> Rewrite:
-    """`stock` single-stream block <-> `unfused`: proj_out split by columns into a `SplitProjection`; the block's
-    `attn` converted by the `attention` rewrite, its `proj_mlp` by `mlp` where that is fused too, and any other child
-    named in `nested` (where the block has one) by its rewrite."""
-    nested = dict(nested or {})
-
-    def children(block: nn.Module, unfusing: bool) -> dict:
-        found = {name: (getattr(block, name), rewrite) for name, rewrite in nested.items()}
-        return {
-            name: rewrite.build_unfused(child) if unfusing else rewrite.build_fused(child)
-            for name, (child, rewrite) in found.items() if child is not None
-        }
-
-    def check(block: nn.Module, path: str, verb: str) -> None:
-        attention.check(block.attn, f"{path}.attn", verb)
-        for name, rewrite in nested.items():
-            if getattr(block, name) is not None:
-                rewrite.check(getattr(block, name), f"{path}.{name}", verb)
-
-    def slices(block: nn.Module) -> list:
-        out = split_projection_slices("proj_out", block.proj_out, attn_features=block.attn.inner_dim)
-        return (mlp.slices(block) if mlp else []) + out
-
-    def unfuse_block(block: nn.Module) -> nn.Module:
-        extra = dict(mlp.unfused(block) if mlp else {}, **children(block, unfusing=True))
-        return recast(
-            block,
-            unfused,
-            proj_out=split_projection_like(block.proj_out, block.attn.inner_dim),
-            attn=attention.build_unfused(block.attn),
-            **extra,
-        )
-
-    def fuse_block(block: nn.Module) -> nn.Module:
-        extra = dict(mlp.fused(block) if mlp else {}, **children(block, unfusing=False))
-        return recast(
-            block, stock, proj_out=fused_linear_like(block.proj_out), attn=attention.build_fused(block.attn), **extra
-        )
-
-    return Rewrite(
-        name=name, fused=stock, unfused=unfused, slices=slices, build_unfused=unfuse_block, build_fused=fuse_block,
-        check=check,
-    )
-
-
-_ATTENTION = attention_rewrite(
-    "longcat_image.attention", LongCatImageAttention, LongCatImageSplitHeadsAttention, LongCatImageAttnProcessor
-)
-REWRITES = (
-    single_block_rewrite(
-        "longcat_image.single_block", LongCatImageSingleTransformerBlock, LongCatImageUnfusedSingleTransformerBlock,
-        _ATTENTION,
-    ),
-    _ATTENTION,
-)
+PROCESSORS = Processors((LongCatImageAttnProcessor,))
+REWRITES = flux_like_rewrites("longcat_image", LongCatImageSingleTransformerBlock, LongCatImageAttention, PROCESSORS)
 
 
 # --- tensor-parallel plans ------------------------------------------------------------------------------------------
@@ -284,8 +80,8 @@ ATTENTION_TP_PLAN = {
     "to_add_out": RowwiseParallel(),
 }
 
-# The single-stream block: heads and MLP hidden units split across ranks; both halves of proj_out leave partial sums
-# that one all-reduce resolves (SplitProjection's plan, written out here because the block is planned as a whole).
+# The single-stream block: heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums
+# that one all-reduce resolves (the shared SplitProjection plan, composed under `proj_out`).
 SINGLE_BLOCK_TP_PLAN = {
     "attn.to_q": ColwiseParallel(),
     "attn.to_k": ColwiseParallel(),
@@ -293,14 +89,12 @@ SINGLE_BLOCK_TP_PLAN = {
     "attn.norm_q": HEAD_NORM,
     "attn.norm_k": HEAD_NORM,
     "proj_mlp": ColwiseParallel(),
-    "proj_out.attn": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out.mlp": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
 TP_PLANS = {
-    LongCatImageSplitHeadsAttention: ATTENTION_TP_PLAN,
-    LongCatImageUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    LongCatImageAttention: ATTENTION_TP_PLAN,
+    LongCatImageSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 
 

@@ -1,14 +1,15 @@
 """Motif-Video (diffusers `MotifVideoTransformer3DModel`): the single-stream block's fused output projection, and
 self- and cross-attention that split heads by head size so that they run column-sharded.
 
-| stock (diffusers)                  | rewritten (here)                          | slices                       |
-|------------------------------------|-------------------------------------------|------------------------------|
-| `MotifVideoSingleTransformerBlock` | `MotifVideoUnfusedSingleTransformerBlock` | proj_out cols -> .attn, .mlp |
-| `MotifVideoAttention`              | `MotifVideoSplitHeadsAttention`           | none                         |
-| `MotifVideoCrossAttention`         | `MotifVideoSplitHeadsCrossAttention`      | none                         |
+| module (diffusers class, kept)     | swapped                                                                    |
+|------------------------------------|----------------------------------------------------------------------------|
+| `MotifVideoSingleTransformerBlock` | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); the processors |
+|                                    | of its `attn` and `cross_attn`                                             |
+| `MotifVideoAttention`              | processor `MotifVideoAttnProcessor2_0` -> head-dim twin                    |
+| `MotifVideoCrossAttention`         | processor `MotifVideoCrossAttnProcessor2_0` -> head-dim twin               |
 
-diffusers' Motif processors reshape with the stored head count (`unflatten(2, (attn.heads, -1))`); their twins here
-are the same code with `unflatten(2, (-1, attn.head_dim))`.
+diffusers' Motif processors reshape with the stored head count (`unflatten(2, (attn.heads, -1))`); their twins
+(`surgery.leaves.head_dim_twin`) are the stock source with `unflatten(2, (-1, attn.head_dim))`.
 
 A single block's optional text cross-attention (`enable_text_cross_attention_single`) reads the block's attention
 output, which is column-sharded (each rank's heads) under tensor parallelism, and adds its output back to it. Its plan
@@ -22,8 +23,6 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_motif_video import (
     MotifVideoAttention,
     MotifVideoAttnProcessor2_0,
@@ -32,225 +31,20 @@ from diffusers.models.transformers.transformer_motif_video import (
     MotifVideoSingleTransformerBlock,
     MotifVideoTransformer3DModel,
 )
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from rewrites.longcat_image import attention_rewrite, rope_axes, single_block_rewrite
+from rewrites.longcat_image import flux_like_rewrites, rope_axes
+from surgery.leaves import Processors, swap_rewrite, under
 from surgery.registry import Family
+from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.tensor_parallel import per_head_norm
 
-
-class MotifVideoSplitHeadsAttnProcessor(MotifVideoAttnProcessor2_0):
-    """`MotifVideoAttnProcessor2_0` (diffusers 0.42.1) verbatim, heads split by `attn.head_dim` instead of counted."""
-
-    def __call__(
-        self,
-        attn: MotifVideoAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if attn.add_q_proj is None and encoder_hidden_states is not None:
-            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-
-        query = attn.to_q(hidden_states).unflatten(2, (-1, attn.head_dim))
-        key = attn.to_k(hidden_states).unflatten(2, (-1, attn.head_dim))
-        value = attn.to_v(hidden_states).unflatten(2, (-1, attn.head_dim))
-
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-
-        if image_rotary_emb is not None:
-            if attn.add_q_proj is None and encoder_hidden_states is not None:
-                split_idx = -encoder_hidden_states.shape[1]
-                query = torch.cat(
-                    [apply_rotary_emb(query[:, :split_idx], image_rotary_emb, sequence_dim=1), query[:, split_idx:]],
-                    dim=1,
-                )
-                key = torch.cat(
-                    [apply_rotary_emb(key[:, :split_idx], image_rotary_emb, sequence_dim=1), key[:, split_idx:]],
-                    dim=1,
-                )
-            else:
-                query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-                key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
-        if attn.add_q_proj is not None and encoder_hidden_states is not None:
-            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (-1, attn.head_dim))
-            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (-1, attn.head_dim))
-            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (-1, attn.head_dim))
-
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
-
-            query = torch.cat([query, encoder_query], dim=1)
-            key = torch.cat([key, encoder_key], dim=1)
-            value = torch.cat([value, encoder_value], dim=1)
-
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-
-        if encoder_hidden_states is not None:
-            hidden_states, encoder_hidden_states = (
-                hidden_states[:, : -encoder_hidden_states.shape[1]],
-                hidden_states[:, -encoder_hidden_states.shape[1] :],
-            )
-
-            if attn.to_out is not None:
-                hidden_states = attn.to_out[0](hidden_states)
-                hidden_states = attn.to_out[1](hidden_states)
-
-            if attn.to_add_out is not None:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-
-            return hidden_states, encoder_hidden_states
-
-        if attn.to_out is not None:
-            hidden_states = attn.to_out[0](hidden_states)
-            hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
-
-
-class MotifVideoSplitHeadsCrossAttnProcessor(MotifVideoCrossAttnProcessor2_0):
-    """`MotifVideoCrossAttnProcessor2_0` (diffusers 0.42.1) verbatim, heads split by `attn.head_dim`."""
-
-    def __call__(
-        self,
-        attn: MotifVideoCrossAttention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: torch.Tensor | None = None,
-        image_embed_seq_len: int = 0,
-    ) -> torch.Tensor:
-        txt_kv = encoder_hidden_states[:, image_embed_seq_len:, :]
-        text_mask = None
-        if attention_mask is not None:
-            text_mask = attention_mask[:, :, :, image_embed_seq_len - encoder_hidden_states.shape[1] :]
-
-        query = attn.to_q(hidden_states).unflatten(2, (-1, attn.head_dim))
-        key = attn.to_k(txt_kv).unflatten(2, (-1, attn.head_dim))
-        value = attn.to_v(txt_kv).unflatten(2, (-1, attn.head_dim))
-
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-
-        hidden_states = dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=text_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        return hidden_states
-
-
-class MotifVideoSplitHeadsAttention(MotifVideoAttention):
-    """A `MotifVideoAttention` running `MotifVideoSplitHeadsAttnProcessor`."""
-
-    _default_processor_cls = MotifVideoSplitHeadsAttnProcessor
-    _available_processors = [MotifVideoSplitHeadsAttnProcessor]
-
-
-class MotifVideoSplitHeadsCrossAttention(MotifVideoCrossAttention):
-    """A `MotifVideoCrossAttention` running `MotifVideoSplitHeadsCrossAttnProcessor`."""
-
-    _default_processor_cls = MotifVideoSplitHeadsCrossAttnProcessor
-    _available_processors = [MotifVideoSplitHeadsCrossAttnProcessor]
-
-
-class MotifVideoUnfusedSingleTransformerBlock(MotifVideoSingleTransformerBlock):
-    """`MotifVideoSingleTransformerBlock` whose `proj_out` is a `SplitProjection`: `proj_out(attn, mlp)` instead of
-    `proj_out(cat([attn, mlp], dim=2))`. The forward is diffusers 0.42.1's otherwise."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        image_embed_seq_len: int = 0,
-    ) -> torch.Tensor:
-        encoder_seq_length = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp(norm_hidden_states))
-
-        norm_hidden_states, norm_encoder_hidden_states = (
-            norm_hidden_states[:, :-encoder_seq_length, :],
-            norm_hidden_states[:, -encoder_seq_length:, :],
-        )
-
-        attn_output, context_attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            attention_mask=attention_mask,
-            image_rotary_emb=image_rotary_emb,
-        )
-
-        if self.cross_attn is not None:
-            cross_output = self.cross_attn(
-                hidden_states=attn_output,
-                encoder_hidden_states=norm_encoder_hidden_states,
-                attention_mask=attention_mask,
-                image_rotary_emb=image_rotary_emb,
-                image_embed_seq_len=image_embed_seq_len,
-            )
-            attn_output = attn_output + cross_output
-
-        attn_output = torch.cat([attn_output, context_attn_output], dim=1)
-        hidden_states = gate.unsqueeze(1) * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = hidden_states + residual
-
-        hidden_states, encoder_hidden_states = (
-            hidden_states[:, :-encoder_seq_length, :],
-            hidden_states[:, -encoder_seq_length:, :],
-        )
-        return hidden_states, encoder_hidden_states
-
-
-_ATTENTION = attention_rewrite(
-    "motif_video.attention", MotifVideoAttention, MotifVideoSplitHeadsAttention, MotifVideoAttnProcessor2_0,
-    twin_processor=MotifVideoSplitHeadsAttnProcessor,
-)
-_CROSS_ATTENTION = attention_rewrite(
-    "motif_video.cross_attention", MotifVideoCrossAttention, MotifVideoSplitHeadsCrossAttention,
-    MotifVideoCrossAttnProcessor2_0, twin_processor=MotifVideoSplitHeadsCrossAttnProcessor,
-)
+_CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (
-    single_block_rewrite(
-        "motif_video.single_block", MotifVideoSingleTransformerBlock, MotifVideoUnfusedSingleTransformerBlock,
-        _ATTENTION, nested={"cross_attn": _CROSS_ATTENTION},
-    ),
-    _ATTENTION,
-    _CROSS_ATTENTION,
+    *flux_like_rewrites("motif_video", MotifVideoSingleTransformerBlock, MotifVideoAttention,
+                        Processors((MotifVideoAttnProcessor2_0,)), children={"cross_attn": _CROSS}),
+    swap_rewrite("motif_video.cross_attention", MotifVideoCrossAttention, processors=_CROSS),
 )
 
 
@@ -301,15 +95,13 @@ SINGLE_BLOCK_TP_PLAN = {
     "cross_attn.norm_k": HEAD_NORM,
     "cross_attn.to_out.0": RowwiseParallel(output_layouts=Shard(-1)),
     "proj_mlp": ColwiseParallel(),
-    "proj_out.attn": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out.mlp": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
 TP_PLANS = {
-    MotifVideoSplitHeadsAttention: ATTENTION_TP_PLAN,
-    MotifVideoSplitHeadsCrossAttention: CROSS_ATTENTION_TP_PLAN,
-    MotifVideoUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    MotifVideoAttention: ATTENTION_TP_PLAN,
+    MotifVideoCrossAttention: CROSS_ATTENTION_TP_PLAN,
+    MotifVideoSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 
 

@@ -1,17 +1,19 @@
 """Ovis-Image (diffusers `OvisImageTransformer2DModel`): the single-stream block's fused gated MLP and output
-projection, the double-stream blocks' SwiGLU feed-forwards, and attention that splits heads by head size.
+projection, the double-stream blocks' SwiGLU feed-forwards, and attention processors that split heads by head size.
 
-| stock (diffusers)                 | rewritten (here)                         | slices                       |
-|-----------------------------------|------------------------------------------|------------------------------|
-| `OvisImageSingleTransformerBlock` | `OvisImageUnfusedSingleTransformerBlock` | proj_mlp rows -> _up, _gate; |
-|                                   |                                          | proj_out cols -> .attn, .mlp |
-| `FeedForward` with a `SwiGLU`     | `SplitSwiGLUFeedForward`                 | net.0.proj rows ->           |
-|                                   |                                          | .proj_up, .proj_gate         |
-| `OvisImageAttention`              | `OvisImageSplitHeadsAttention`           | none                         |
+| module (diffusers)                | unfused                                                                          |
+|-----------------------------------|----------------------------------------------------------------------------------|
+| `OvisImageSingleTransformerBlock` | `OvisImageUnfusedSingleTransformerBlock` (a twin: its forward is the stock one   |
+|                                   | with one edit, see below); `proj_mlp` -> `SplitRows` (`.up`, `.gate`: views),    |
+|                                   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor  |
+| `FeedForward` with a `SwiGLU`     | `SplitSwiGLUFeedForward`: net.0.proj rows -> `.proj_up`, `.proj_gate`            |
+| `OvisImageAttention`              | processor `OvisImageAttnProcessor` -> its head-dim twin (`surgery.leaves`)       |
 
-The single block's `proj_mlp` holds two row blocks, `up` then `gate` (`up * silu(gate)`), as diffusers' `SwiGLU` does;
-column sharding the fused weight would give each rank the wrong halves. Ovis's attention processor is a verbatim copy
-of LongCat-Image's: its head-size twin is `rewrites.longcat_image.SplitHeadsJointAttnProcessor`.
+The single block's `proj_mlp` holds two row blocks, `up` then `gate` (`up * silu(gate)`), and the stock forward splits
+its output by the global widths (`torch.split(..., [mlp_hidden_dim, mlp_hidden_dim])`), which a rank holding half of
+each cannot run: the block's twin (`surgery.leaves.twin`, edits listed in `surgery.leaves.EDITS`) halves whatever
+width it gets instead. `unfuse` names the twin beside the stock class in the model's `_repeated_blocks` and
+`_no_split_modules`, and diffusers' block registry knows it under the stock class's metadata.
 """
 
 from __future__ import annotations
@@ -26,65 +28,26 @@ from diffusers.models.transformers.transformer_ovis_image import (
     OvisImageSingleTransformerBlock,
     OvisImageTransformer2DModel,
 )
-from torch.distributed.tensor import Partial, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from rewrites.hunyuan_image import recast
 from rewrites.longcat_image import (
     ATTENTION_TP_PLAN,
     HEAD_NORM,
-    MLPSplit,
-    SplitHeadsJointAttnProcessor,
-    attention_rewrite,
     flux_like_inputs,
+    flux_like_rewrites,
     reduced,
-    single_block_rewrite,
 )
+from surgery.leaves import Processors, recast, rows, twin, under
 from surgery.registry import Family, Rewrite
 from surgery.slicing import row_slices
+from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
 
+OvisImageUnfusedSingleTransformerBlock = twin(
+    OvisImageSingleTransformerBlock, "OvisImageUnfusedSingleTransformerBlock", method="forward"
+)
 
-class OvisImageSplitHeadsAttention(OvisImageAttention):
-    """An `OvisImageAttention` running `SplitHeadsJointAttnProcessor`: same parameters, same outputs, whole or with
-    its heads split across ranks."""
-
-    _default_processor_cls = SplitHeadsJointAttnProcessor
-    _available_processors = [SplitHeadsJointAttnProcessor]
-
-
-class OvisImageUnfusedSingleTransformerBlock(OvisImageSingleTransformerBlock):
-    """`OvisImageSingleTransformerBlock` with separate `proj_mlp_up` / `proj_mlp_gate` and a `SplitProjection`
-    `proj_out`: `proj_out(attn, silu(gate) * up)`. The forward is diffusers 0.42.1's otherwise."""
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        joint_attention_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        text_seq_len = encoder_hidden_states.shape[1]
-        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
-        residual = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp_hidden_states = self.act_mlp(self.proj_mlp_gate(norm_hidden_states)) * self.proj_mlp_up(norm_hidden_states)
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-
-        gate = gate.unsqueeze(1)
-        hidden_states = gate * self.proj_out(attn_output, mlp_hidden_states)
-        hidden_states = residual + hidden_states
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states.clip(-65504, 65504)
-
-        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-        return encoder_hidden_states, hidden_states
+# proj_mlp's rows: up, then gate
+PROJ_MLP = rows("proj_mlp", lambda block: [("up", block.mlp_hidden_dim), ("gate", block.mlp_hidden_dim)])
 
 
 class SplitSwiGLU(nn.Module):
@@ -112,26 +75,6 @@ def _gated_rows(fused: str, up: str, gate: str, hidden: int, bias: bool) -> list
     return row_slices(fused, parts, "weight") + (row_slices(fused, parts, "bias") if bias else [])
 
 
-def _mlp_slices(block: nn.Module) -> list:
-    bias = (block.proj_mlp if hasattr(block, "proj_mlp") else block.proj_mlp_up).bias is not None
-    return _gated_rows("proj_mlp", "proj_mlp_up", "proj_mlp_gate", block.mlp_hidden_dim, bias)
-
-
-def _split_mlp(block: nn.Module) -> dict:
-    fused = block.proj_mlp
-    with torch.device("meta"):
-        up = nn.Linear(fused.in_features, block.mlp_hidden_dim, bias=fused.bias is not None)
-        gate = nn.Linear(fused.in_features, block.mlp_hidden_dim, bias=fused.bias is not None)
-    return {"proj_mlp": {"proj_mlp_up": up, "proj_mlp_gate": gate}}
-
-
-def _join_mlp(block: nn.Module) -> dict:
-    up = block.proj_mlp_up
-    with torch.device("meta"):
-        fused = nn.Linear(up.in_features, 2 * up.out_features, bias=up.bias is not None)
-    return {"proj_mlp_up": {"proj_mlp": fused}, "proj_mlp_gate": {}}
-
-
 def _feed_forward_slices(ff: nn.Module) -> list:
     first = ff.net[0]
     fused = isinstance(first, SwiGLU)
@@ -156,15 +99,10 @@ def _join_feed_forward(ff: SplitSwiGLUFeedForward) -> FeedForward:
     return recast(ff, FeedForward, net=nn.ModuleList([fused, *ff.net[1:]]))
 
 
-_ATTENTION = attention_rewrite(
-    "ovis_image.attention", OvisImageAttention, OvisImageSplitHeadsAttention, OvisImageAttnProcessor
-)
 REWRITES = (
-    single_block_rewrite(
-        "ovis_image.single_block", OvisImageSingleTransformerBlock, OvisImageUnfusedSingleTransformerBlock,
-        _ATTENTION, MLPSplit(_mlp_slices, _split_mlp, _join_mlp),
-    ),
-    _ATTENTION,
+    *flux_like_rewrites("ovis_image", OvisImageSingleTransformerBlock, OvisImageAttention,
+                        Processors((OvisImageAttnProcessor,)), leaves=(PROJ_MLP,),
+                        unfused_single_block=OvisImageUnfusedSingleTransformerBlock),
     # diffusers' FeedForward serves many families; only its SwiGLU form is fused, and among the registered families
     # only Ovis-Image uses it (move this to rewrites/diffusers_common.py once another one does).
     Rewrite(
@@ -189,11 +127,9 @@ SINGLE_BLOCK_TP_PLAN = {
     "attn.to_v": ColwiseParallel(),
     "attn.norm_q": HEAD_NORM,
     "attn.norm_k": HEAD_NORM,
-    "proj_mlp_up": ColwiseParallel(),
-    "proj_mlp_gate": ColwiseParallel(),
-    "proj_out.attn": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out.mlp": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "proj_out": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
+    "proj_mlp.up": ColwiseParallel(),
+    "proj_mlp.gate": ColwiseParallel(),
+    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
 # SwiGLU feed-forward: hidden units split across ranks, one all-reduce.
@@ -204,7 +140,7 @@ FEED_FORWARD_TP_PLAN = {
 }
 
 TP_PLANS = {
-    OvisImageSplitHeadsAttention: ATTENTION_TP_PLAN,
+    OvisImageAttention: ATTENTION_TP_PLAN,
     OvisImageUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
     SplitSwiGLUFeedForward: FEED_FORWARD_TP_PLAN,
 }

@@ -22,6 +22,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.checks import SurgeryError
+from surgery.leaves import runs_twin
 from surgery.registry import Family
 from surgery.tensor_parallel import per_head_norm
 
@@ -45,14 +46,15 @@ ATTENTION_TP_PLAN = {
     "to_add_out": RowwiseParallel(),
 }
 
-# Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads.
-# `Attention` is diffusers' shared class: an `Attention` running any other processor (most reshape with `attn.heads`,
-# e.g. HunyuanImage's token refiner) is not planned here and stays whole on every rank.
+# Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads: QwenImage's,
+# and the head-dim twins `unfuse` installs (HunyuanImage's and HunyuanVideo's blocks, see `surgery.leaves`): this one
+# plan serves every `Attention` that can be sharded. `Attention` is diffusers' shared class: an `Attention` running any
+# other processor (most reshape with `attn.heads`) is not planned and stays whole on every rank.
 HEAD_DIM_PROCESSORS = (QwenDoubleStreamAttnProcessor2_0,)
 
 
 def _splits_by_head_dim(module: nn.Module) -> bool:
-    return type(getattr(module, "processor", None)) in HEAD_DIM_PROCESSORS
+    return type(getattr(module, "processor", None)) in HEAD_DIM_PROCESSORS or runs_twin(module)
 
 
 # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and Edit-2509 share it); Edit-2511 adds zero_cond_t.

@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from .registry import registered
 from .walk import block_path, find_modules, planned_modules
+
+# The class-name lists diffusers' features read: regional compile (`compile_repeated_blocks`) and device maps.
+BLOCK_NAME_LISTS = ("_repeated_blocks", "_no_split_modules")
 
 
 def after_rewrite(model: nn.Module) -> None:
@@ -17,6 +21,7 @@ def after_rewrite(model: nn.Module) -> None:
     from . import diffusers_hooks  # its hooks call back into the state-dict and saving layers
 
     sync_diffusers_tp_plans(model)
+    sync_block_names(model)
     diffusers_hooks.install(model)
 
 
@@ -57,3 +62,26 @@ def sync_diffusers_tp_plans(model: nn.Module) -> None:
             module._tp_plan = diffusers_tp_plan(module)
         else:
             vars(module).pop("_tp_plan", None)
+
+
+def sync_block_names(model: nn.Module) -> None:
+    """Where a rewrite's unfused form is a class of its own (a stock forward that cannot run the leaves), name it
+    beside the stock class in each diffusers model's `_repeated_blocks` and `_no_split_modules` (instance attributes,
+    like `_tp_plan`), so regional compile and device maps still find every block; a model with none of them left
+    reads its class's lists again. Rewrites that keep the stock class need nothing here.
+    """
+    renamed = {r.fused.__name__: r.unfused for r in registered() if r.unfused is not r.fused}
+    if not renamed:
+        return
+    for module in model.modules():
+        cls = type(module)
+        if not any(getattr(cls, attr, None) for attr in BLOCK_NAME_LISTS):
+            continue
+        present = {type(m).__name__ for m in module.modules()}
+        for attr in BLOCK_NAME_LISTS:
+            stock = list(getattr(cls, attr, None) or [])
+            names = stock + [renamed[n].__name__ for n in stock if n in renamed and renamed[n].__name__ in present]
+            if names != stock:
+                setattr(module, attr, names)
+            else:
+                vars(module).pop(attr, None)

@@ -43,6 +43,9 @@ class Rewrite:
     build_unfused: Callable[[nn.Module], nn.Module]
     build_fused: Callable[[nn.Module], nn.Module]
     is_fused: Callable[[nn.Module], bool] = field(default=_always)
+    # Where both forms are one class (a stock class whose leaves or processors are swapped), what tells the unfused
+    # form apart; the two predicates must never both accept a module.
+    is_unfused: Callable[[nn.Module], bool] = field(default=_always)
     # Family-specific checks run before anything changes, on either form: `check(module, path, verb)`.
     check: Callable[[nn.Module, str, str], None] = field(default=_no_check)
     # False where diffusers checkpoints never hold the fused keys (a run-time fusion like `fuse_qkv_projections`).
@@ -52,7 +55,7 @@ class Rewrite:
         return type(module) is self.fused and self.is_fused(module)
 
     def matches_unfused(self, module: nn.Module) -> bool:
-        return type(module) is self.unfused
+        return type(module) is self.unfused and self.is_unfused(module)
 
 
 @dataclass(frozen=True, repr=False)

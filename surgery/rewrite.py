@@ -124,7 +124,8 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
         for path, module, rewrite in found:
             new, copied, moves = _convert(module, rewrite, unfusing, optimizers)
             slices = tuple(s.prefixed(path) for s in rewrite.slices(module))
-            records.append(RewriteRecord(path, type(module).__name__, type(new).__name__, slices, copied))
+            before, after = _labels(module, new)
+            records.append(RewriteRecord(path, before, after, slices, copied))
             done.append(_Done(module, new, moves))
             root = _swap(root, slots, module, new)
             _release(moves, done[-1].released)
@@ -146,6 +147,24 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     object.__setattr__(root, _REPORT_ATTR, records)
     after_rewrite(root)
     return root
+
+
+def _labels(old: nn.Module, new: nn.Module) -> tuple[str, str]:
+    """The classes before and after a swap; where the class stays (only leaves or processors are swapped), the class
+    with the swapped children's classes: `Flux2FeedForward[linear_in: Linear]` -> `...[linear_in: SplitRows]`."""
+    if type(old) is not type(new):
+        return type(old).__name__, type(new).__name__
+    changed = [name for name, child in old._modules.items() if type(new._modules.get(name)) is not type(child)]
+    if not changed and type(getattr(old, "processor", None)) is not type(getattr(new, "processor", None)):
+        changed = ["processor"]
+    if not changed:
+        changed = [name for name, child in old._modules.items() if new._modules.get(name) is not child]
+
+    def label(m: nn.Module) -> str:
+        parts = ", ".join(f"{n}: {type(getattr(m, n, None)).__name__}" for n in changed)
+        return f"{type(m).__name__}[{parts}]"
+
+    return label(old), label(new)
 
 
 def _refill(released: list) -> None:

@@ -19,7 +19,7 @@ class Demo(unittest.TestCase):
     def test_demo_runs_and_reports(self):
         result = surgery_command("demo", "--layers", "1", "--single-layers", "2", "--head-dim", "8")
         self.assertEqual(result.returncode, 0, result.stderr[-2000:])
-        self.assertIn("Flux2ParallelSelfAttention -> Flux2UnfusedParallelSelfAttention", result.stdout)
+        self.assertIn("to_qkv_mlp_proj: SplitRows", result.stdout)
         self.assertIn("collectives per forward: 6 all_reduce", result.stdout)
         self.assertIn("OK: worst error", result.stdout)
 

@@ -91,7 +91,7 @@ class StockAdapterOnUnfusedModel(unittest.TestCase):
         attn = unfused.single_transformer_blocks[0].attn
         stock_attn = stock.single_transformer_blocks[0].attn
         self.assertTrue(torch.equal(attn.to_k.lora_A["one"].weight, stock_attn.to_qkv_mlp_proj.lora_A["one"].weight))
-        self.assertTrue(torch.equal(attn.mlp.linear_out.lora_A["one"].weight,
+        self.assertTrue(torch.equal(attn.to_out.mlp_part.lora_A["one"].weight,
                                     stock_attn.to_out.lora_A["one"].weight[:, attn.inner_dim:]))
 
     def test_set_adapters_with_weights_fuse_unfuse_and_unload(self):
@@ -165,7 +165,7 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         kw = inputs(config, 3)
         unfused = surgery.unfuse(copy.deepcopy(base))
         targets = surgery.lora_target_modules(unfused, STOCK_TARGETS)
-        self.assertIn("single_transformer_blocks.0.attn.mlp.linear_out", targets)
+        self.assertIn("single_transformer_blocks.0.attn.to_out.mlp_part", targets)
         stock_model = add_random_adapter(copy.deepcopy(base), "x", 0)
         add_random_adapter(unfused, "x", 4, targets=targets, rank=4, alpha=8)
         # the same stock layers get an adapter: map each unfused LoRA layer back to the stock layer it is part of

@@ -18,11 +18,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from rewrites.hunyuan_video import (
-    HunyuanVideoAttention,
-    HunyuanVideoHeadDimAttnProcessor,
-    HunyuanVideoHeadDimRefinerAttnProcessor,
-)
+from surgery.leaves import head_dim_twin
+from surgery.tensor_parallel import validate
+
+HunyuanVideoHeadDimAttnProcessor = head_dim_twin(HunyuanVideoAttnProcessor2_0)
+HunyuanVideoHeadDimRefinerAttnProcessor = head_dim_twin(AttnProcessor2_0)
 from surgery.testing import CollectiveCounter, assert_unchanged, rel_err, run_on_cpu_ranks, snapshot
 
 FAMILY = "hunyuan-video"
@@ -93,7 +93,7 @@ class Processors(unittest.TestCase):
         fused.transformer_blocks[0].attn.processor._attention_backend = "native"
         model = surgery.unfuse(copy.deepcopy(fused))
         attentions = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
-        self.assertTrue(all(type(m) is HunyuanVideoAttention for m in attentions.values()))
+        self.assertTrue(all(type(m) is Attention for m in attentions.values()))  # diffusers' class stays
         refiner = {n for n in attentions if "refiner" in n}
         for name, attn in attentions.items():
             expected = HunyuanVideoHeadDimRefinerAttnProcessor if name in refiner else HunyuanVideoHeadDimAttnProcessor
@@ -101,6 +101,9 @@ class Processors(unittest.TestCase):
         self.assertEqual(model.transformer_blocks[0].attn.processor._attention_backend, "native")
 
         model.single_transformer_blocks[0].attn.set_processor(HunyuanVideoAttnProcessor2_0())  # a stock one
+        with self.assertRaisesRegex(surgery.SurgeryError, "still a fused"):  # sharding it would be wrong: refused
+            validate(model, [], 2)  # what tensor_parallel checks first
+        surgery.unfuse(model)  # swaps just that processor
         self.assertIs(type(model.single_transformer_blocks[0].attn.processor), HunyuanVideoHeadDimAttnProcessor)
 
         surgery.fuse(model)
@@ -111,26 +114,23 @@ class Processors(unittest.TestCase):
                 self.assertIs(type(attn.processor), expected, name)
         self.assertEqual(model.transformer_blocks[0].attn.processor._attention_backend, "native")
 
-    def test_a_custom_processor_is_refused_before_anything_changes(self):
+    def test_a_custom_processor_is_left_alone(self):
         class Custom(HunyuanVideoAttnProcessor2_0):
             pass
 
         _, _, model = W.make(FAMILY, "tp_small")
         model.transformer_blocks[0].attn.set_processor(Custom())
-        snap = snapshot(model)
-        with self.assertRaisesRegex(surgery.SurgeryError, r"'transformer_blocks\.0\.attn'.*Custom"):
-            surgery.unfuse(model)
-        assert_unchanged(model, snap)
+        surgery.unfuse(model)
+        self.assertIs(type(model.transformer_blocks[0].attn.processor), Custom)
 
-    def test_the_refiner_twin_refuses_per_head_masks(self):
+    def test_the_refiner_twin_broadcasts_a_per_sample_mask_over_the_heads(self):
         _, _, model = W.make(FAMILY, "tp_small")
         attn = surgery.unfuse(model).context_embedder.token_refiner.refiner_blocks[0].attn
         x = torch.randn(2, 5, attn.query_dim)
         per_sample = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+        per_sample[0, ..., 3:] = False
         stock = AttnProcessor2_0()(attn, x, attention_mask=per_sample)
-        self.assertTrue(torch.equal(attn(x, attention_mask=per_sample), stock))
-        with self.assertRaisesRegex(ValueError, "one mask per sample"):
-            attn(x, attention_mask=per_sample.repeat_interleave(attn.heads, dim=0))
+        torch.testing.assert_close(attn(x, attention_mask=per_sample), stock, rtol=0, atol=1e-6)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class Plan(unittest.TestCase):
 
     def test_text_report(self):
         text = render.plan_text("FLUX.2-klein-9b", self.plan)
-        self.assertIn("single_transformer_blocks.*.attn.to_q.weight", text)
+        self.assertIn("single_transformer_blocks.*.attn.to_qkv_mlp_proj.q.weight", text)
         self.assertIn("56 all_reduce", text)
 
 
@@ -61,11 +61,9 @@ class Graphs(unittest.TestCase):
         after = inspect.export_graph(surgery.unfuse(attn), (x,), {"image_rotary_emb": rope})
         self.assertEqual([r["op"] for r in before if r["op"] in ("linear", "cat")], ["linear", "cat", "linear"])
         linears = [r["parameter"] for r in after if r["op"] == "linear"]
-        self.assertEqual(sorted(linears), sorted(["to_q.weight", "to_k.weight", "to_v.weight", "to_out.weight",
-                                                  "mlp.linear_gate.weight", "mlp.linear_up.weight",
-                                                  "mlp.linear_out.weight"]))
-        self.assertEqual(after[-1]["op"], "add")
-        self.assertNotIn("cat", [r["op"] for r in after])
+        self.assertEqual(sorted(linears), sorted([f"to_qkv_mlp_proj.{p}.weight" for p in ("q", "k", "v", "gate", "up")]
+                                                 + ["to_out.attn_part.weight", "to_out.mlp_part.weight"]))
+        self.assertEqual(after[-1]["op"], "add")  # the two column parts of to_out, summed
 
     def test_per_rank_local_graph_at_full_size(self):
         from diffusers import Flux2Transformer2DModel
@@ -79,9 +77,9 @@ class Graphs(unittest.TestCase):
             trace = inspect.module_trace(model.single_transformer_blocks[0].attn, x,
                                          image_rotary_emb=(torch.empty(64, 128, device="meta"),) * 2)
         by_path = {e["path"]: e for e in trace}
-        self.assertEqual(by_path["to_q"]["out"], (1, 64, 512))
-        self.assertEqual(by_path["mlp.linear_gate"]["out"], (1, 64, 1536))
-        self.assertTrue(by_path["to_out"]["partial"] and by_path["mlp.linear_out"]["partial"])
+        self.assertEqual(by_path["to_qkv_mlp_proj.q"]["out"], (1, 64, 512))
+        self.assertEqual(by_path["to_qkv_mlp_proj.gate"]["out"], (1, 64, 1536))
+        self.assertTrue(by_path["to_out.attn_part"]["partial"] and by_path["to_out.mlp_part"]["partial"])
         self.assertEqual([e["path"] for e in trace if e["kind"] == "collective"], ["all_reduce"])
         self.assertEqual(trace[-1]["kind"], "collective")
 

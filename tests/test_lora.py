@@ -51,7 +51,7 @@ class SplitAdapter(unittest.TestCase):
         adapter = get_peft_model_state_dict(fused)
         slices = surgery.key_map(base)
         split = surgery.unfuse_lora_state_dict(adapter, slices)
-        self.assertIn("single_transformer_blocks.0.attn.mlp.linear_out.lora_A.weight", split)
+        self.assertIn("single_transformer_blocks.0.attn.to_out.mlp_part.lora_A.weight", split)
         self.assertNotIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight", split)
         unfused = load_adapter(surgery.unfuse(copy.deepcopy(base)), split)
         kw = inputs(config, seed)
@@ -66,10 +66,8 @@ class SplitAdapter(unittest.TestCase):
         config = small_config("klein9b_small")
         base = build(config, 3)
         slices = surgery.key_map(base)
-        targets = ["single_transformer_blocks.1.attn.to_q", "single_transformer_blocks.1.attn.to_k",
-                   "single_transformer_blocks.1.attn.to_v", "single_transformer_blocks.1.attn.mlp.linear_gate",
-                   "single_transformer_blocks.1.attn.mlp.linear_up", "single_transformer_blocks.1.attn.to_out",
-                   "single_transformer_blocks.1.attn.mlp.linear_out"]
+        targets = [f"single_transformer_blocks.1.attn.to_qkv_mlp_proj.{p}" for p in ("q", "k", "v", "gate", "up")] + [
+            "single_transformer_blocks.1.attn.to_out.attn_part", "single_transformer_blocks.1.attn.to_out.mlp_part"]
         unfused = with_random_lora(surgery.unfuse(copy.deepcopy(base)), targets, 4)  # independent factors per part
         joined = surgery.fuse_lora_state_dict(get_peft_model_state_dict(unfused), slices)
         self.assertEqual(joined["single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_A.weight"].shape[0], 4 * 5)

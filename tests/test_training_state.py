@@ -109,14 +109,14 @@ class CarriedOver(unittest.TestCase):
         surgery.unfuse(model, optimizer=optimizer)
         attn = model.single_transformer_blocks[1].attn
         inner = attn.inner_dim
-        to_k = optimizer.state[attn.to_k.weight]
+        to_k = optimizer.state[attn.to_qkv_mlp_proj.k.weight]
         self.assertTrue(torch.equal(to_k["exp_avg"], exp_avg[inner:2 * inner]))
         self.assertEqual(to_k["exp_avg"].data_ptr(), exp_avg[inner:2 * inner].data_ptr())  # rows: views
-        self.assertEqual(attn.to_k.weight.grad.data_ptr(), grad[inner:2 * inner].data_ptr())
-        mlp_out = attn.mlp.linear_out.weight  # columns: copies
+        self.assertEqual(attn.to_qkv_mlp_proj.k.weight.grad.data_ptr(), grad[inner:2 * inner].data_ptr())
+        mlp_out = attn.to_out.mlp_part.weight  # columns: copies
         self.assertTrue(torch.equal(mlp_out.grad, out_grad[:, inner:]))
         self.assertTrue(torch.equal(optimizer.state[mlp_out]["exp_avg_sq"], out_sq[:, inner:]))
-        self.assertTrue(torch.equal(optimizer.state[attn.to_out.weight]["exp_avg_sq"], out_sq[:, :inner]))
+        self.assertTrue(torch.equal(optimizer.state[attn.to_out.attn_part.weight]["exp_avg_sq"], out_sq[:, :inner]))
 
     def test_named_parameter_groups_are_renamed(self):
         model = build(CONFIG)
@@ -159,7 +159,7 @@ class Refused(unittest.TestCase):
         self.assert_refused(r"\(SGD\) that was not passed", optimizer=optimizer)
         surgery.unfuse(self.model, optimizer=[optimizer, other])
         optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
-        self.assert_refused(r"\(SGD\) that was not passed holds 'transformer_blocks.0.ff.linear_gate.weight'", surgery.fuse)
+        self.assert_refused(r"\(SGD\) that was not passed holds 'transformer_blocks.0.ff.linear_in.gate.weight'", surgery.fuse)
 
     def test_tensor_hooks(self):
         handle = self.model.single_transformer_blocks[1].attn.to_qkv_mlp_proj.weight.register_hook(lambda g: g)
@@ -190,9 +190,9 @@ class Refused(unittest.TestCase):
 
     def test_fuse_parts_with_and_without_grad(self):
         surgery.unfuse(self.model)
-        self.model.transformer_blocks[0].ff.linear_gate.weight.grad = torch.ones(144, 48)
-        self.assert_refused(r"'transformer_blocks.0.ff.linear_gate.weight' has a .grad and "
-                            r"'transformer_blocks.0.ff.linear_up.weight' has none", surgery.fuse)
+        self.model.transformer_blocks[0].ff.linear_in.gate.weight.grad = torch.ones(144, 48)
+        self.assert_refused(r"'transformer_blocks.0.ff.linear_in.gate.weight' has a .grad and "
+                            r"'transformer_blocks.0.ff.linear_in.up.weight' has none", surgery.fuse)
 
 
 class Wrapped(unittest.TestCase):
@@ -256,7 +256,8 @@ class Rollback(unittest.TestCase):
             surgery.unfuse(model, optimizer=optimizer)
         snap, grads, opt_snap = snapshot(model), grad_snapshot(model), optimizer_snapshot(optimizer)
         original, calls = getattr(surgery.rewrite, patch), []
-        to_out = model.single_transformer_blocks[0].attn.to_out.weight  # column-split: released once swapped
+        to_out = model.single_transformer_blocks[0].attn.to_out  # column-split: released once swapped
+        to_out = getattr(to_out, "attn_part", to_out).weight
         released = []
 
         def failing(*args):

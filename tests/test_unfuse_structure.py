@@ -16,13 +16,8 @@ from parameterized import parameterized
 import surgery
 from surgery.testing import keep_attention_backend
 from flux2_testing import build, small_config
-from rewrites.flux2 import (
-    CONFIGS,
-    Flux2UnfusedFeedForward,
-    Flux2UnfusedKVParallelSelfAttnProcessor,
-    Flux2UnfusedParallelSelfAttention,
-    Flux2UnfusedParallelSelfAttnProcessor,
-)
+from rewrites.flux2 import CONFIGS
+from surgery.split_projection import SplitProjection, SplitRows
 
 FUSED_NAMES = ("to_qkv_mlp_proj", "linear_in", "to_qkv", "to_added_qkv")
 
@@ -48,11 +43,11 @@ class ZeroCopy(unittest.TestCase):
         surgery.unfuse(model)
         records = surgery.last_report(model)
         for record in records:
-            if record.after == "Flux2UnfusedFeedForward":
+            if record.after.startswith("Flux2FeedForward"):
                 self.assertEqual(record.bytes_copied, 0, record.path)
             else:
-                to_out = model.get_submodule(record.path)
-                expected = (to_out.to_out.weight.numel() + to_out.mlp.linear_out.weight.numel()) * 4
+                to_out = model.get_submodule(record.path).to_out
+                expected = (to_out.attn_part.weight.numel() + to_out.mlp_part.weight.numel()) * 4
                 self.assertEqual(record.bytes_copied, expected, record.path)
 
 
@@ -63,15 +58,16 @@ class Report(unittest.TestCase):
         records = surgery.last_report(model)
         self.assertEqual(
             [(r.path, r.before, r.after) for r in records],
-            [("transformer_blocks.0.ff", "Flux2FeedForward", "Flux2UnfusedFeedForward"),
-             ("transformer_blocks.0.ff_context", "Flux2FeedForward", "Flux2UnfusedFeedForward")]
-            + [(f"single_transformer_blocks.{i}.attn", "Flux2ParallelSelfAttention",
-                "Flux2UnfusedParallelSelfAttention") for i in range(3)],
+            [("transformer_blocks.0.ff", "Flux2FeedForward[linear_in: Linear]", "Flux2FeedForward[linear_in: SplitRows]"),
+             ("transformer_blocks.0.ff_context", "Flux2FeedForward[linear_in: Linear]",
+              "Flux2FeedForward[linear_in: SplitRows]")]
+            + [(f"single_transformer_blocks.{i}.attn", "Flux2ParallelSelfAttention[to_qkv_mlp_proj: Linear, to_out: Linear]",
+                "Flux2ParallelSelfAttention[to_qkv_mlp_proj: SplitRows, to_out: SplitProjection]") for i in range(3)],
         )
         q = records[2].slices[0]
         self.assertEqual((q.fused, q.unfused, q.dim, q.start, q.stop),
                          ("single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight",
-                          "single_transformer_blocks.0.attn.to_q.weight", 0, 0, 64))
+                          "single_transformer_blocks.0.attn.to_qkv_mlp_proj.q.weight", 0, 0, 64))
 
 
 class Idempotence(unittest.TestCase):
@@ -93,14 +89,16 @@ class Idempotence(unittest.TestCase):
     def test_a_block_a_wrapper_and_a_bare_module(self):
         model = build(small_config("klein4b_small"))
         block = surgery.unfuse(model.single_transformer_blocks[1])
-        self.assertIsInstance(block.attn, Flux2UnfusedParallelSelfAttention)
-        self.assertIsInstance(model.single_transformer_blocks[0].attn, Flux2ParallelSelfAttention)
+        self.assertIsInstance(block.attn.to_qkv_mlp_proj, SplitRows)
+        self.assertIsInstance(model.single_transformer_blocks[0].attn.to_qkv_mlp_proj, nn.Linear)
         holder = nn.ModuleDict({"transformer": model})
         surgery.unfuse(holder)
-        self.assertFalse(any(isinstance(m, (Flux2ParallelSelfAttention, Flux2FeedForward)) for m in holder.modules()))
+        self.assertFalse([n for n, m in holder.named_modules() if type(m) is nn.Linear
+                          and n.endswith(("to_qkv_mlp_proj", "linear_in"))])
         bare = Flux2FeedForward(dim=8, mult=2.0)
         unfused = surgery.unfuse(bare)
-        self.assertIsInstance(unfused, Flux2UnfusedFeedForward)
+        self.assertIs(type(unfused), Flux2FeedForward)
+        self.assertIsInstance(unfused.linear_in, SplitRows)
         x = torch.randn(3, 8)
         torch.testing.assert_close(unfused(x), bare(x), rtol=0, atol=1e-6)
 
@@ -113,26 +111,27 @@ class KeepsWhatUsersRelyOn(unittest.TestCase):
         surgery.unfuse(model)
         attn = model.single_transformer_blocks[0].attn
         self.assertTrue(all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters()))
-        self.assertFalse(any(lin.weight.requires_grad for lin in (attn.to_q, attn.to_v, attn.mlp.linear_up)))
-        self.assertTrue(attn.to_out.weight.requires_grad)
+        rows = attn.to_qkv_mlp_proj
+        self.assertFalse(any(lin.weight.requires_grad for lin in (rows.q, rows.v, rows.up)))
+        self.assertTrue(attn.to_out.attn_part.weight.requires_grad)
         self.assertTrue(all(m.training for m in model.modules()))
 
-    def test_processors_translate_and_keep_their_backend(self):
+    def test_stock_processors_stay_and_keep_their_backend(self):
         keep_attention_backend(self)
         model = build(small_config("klein4b_small"))
         model.set_attention_backend("native")
+        processor = model.single_transformer_blocks[0].attn.processor
         surgery.unfuse(model)
         attn = model.single_transformer_blocks[0].attn
-        self.assertIs(type(attn.processor), Flux2UnfusedParallelSelfAttnProcessor)
+        self.assertIs(type(attn), Flux2ParallelSelfAttention)
+        self.assertIs(attn.processor, processor)  # diffusers' own processor runs the leaves
         self.assertEqual(attn.processor._attention_backend.value, "native")
         model.set_attention_backend("_native_math")
         self.assertTrue(all(p._attention_backend.value == "_native_math" for p in model.attn_processors.values()))
         attn.set_processor(Flux2KVParallelSelfAttnProcessor())
-        self.assertIs(type(attn.processor), Flux2UnfusedKVParallelSelfAttnProcessor)
-        model.set_attention_backend("_native_math")  # a new processor starts without a backend, as in diffusers
+        self.assertIs(type(attn.processor), Flux2KVParallelSelfAttnProcessor)
         surgery.fuse(model)
         self.assertIs(type(model.single_transformer_blocks[0].attn.processor), Flux2KVParallelSelfAttnProcessor)
-        self.assertEqual(model.single_transformer_blocks[0].attn.processor._attention_backend.value, "_native_math")
 
     def test_global_sizes_stay_on_the_module(self):
         model = build(small_config("fractional_mlp"))
@@ -154,7 +153,7 @@ class FullSizeOnMeta(unittest.TestCase):
         config = CONFIGS[name]
         self.assertEqual(len(surgery.last_report(model)), 2 * config["num_layers"] + config["num_single_layers"])
         self.assertEqual(sum(p.numel() for p in model.parameters()), sum(s.numel() for s in stock.values()))
-        self.assertFalse([n for n, _ in model.named_modules() if n.endswith(FUSED_NAMES)])
+        self.assertFalse([n for n, m in model.named_modules() if type(m) is nn.Linear and n.endswith(FUSED_NAMES)])
         self.assertTrue(all(p.is_meta for p in model.parameters()))
         surgery.fuse(model)
         self.assertEqual({n: p.shape for n, p in model.named_parameters()}, stock)

@@ -1,0 +1,218 @@
+"""FLUX.3 (diffusers `Flux3Transformer2DModel`): the fused SwiGLU `linear_in` of every block's feed-forward, the
+attention processor that reshapes by the stored head count, and `fuse_qkv_projections()`.
+
+Built the drop-in way (`surgery.leaves`): every diffusers class and forward stays.
+
+| module (diffusers class, kept)       | swapped                                                                  |
+|--------------------------------------|--------------------------------------------------------------------------|
+| `Flux3FeedForward` (`ff` of the mode | `linear_in` -> `SplitRows` (rows -> `.gate`, `.up`: views);              |
+| blocks and the single blocks)        | `Flux3SwiGLU` halves whatever width it gets, so the stock forward runs   |
+| `Flux3Attention`                     | processor `Flux3AttnProcessor` -> its head-dim twin (stock source, one   |
+|                                      | listed edit: `unflatten(-1, (-1, attn.head_dim))`)                       |
+| `Flux3Attention` after               | `Flux3SplitQKVAttention`: `to_qkv` rows -> to_q, to_k, to_v (views); the |
+| `fuse_qkv_projections()`             | class only records that `fuse` restores `to_qkv` (no forward of its own) |
+
+No tensor-parallel plan exists for FLUX.3 in diffusers 0.42.1 (no `_tp_plan`) or elsewhere; the plans below are stock
+styles. Each block sums its attention and feed-forward outputs inside its own forward and then gates and adds the
+residual there (`hidden_states + mod_gate * (attn_output + ff_output)`), with no module boundary between the sum and
+the gate where one `PrepareModuleOutput` could resolve both partial sums at once: each of the two row-sharded output
+projections all-reduces, 2 per block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from diffusers.models.transformers.transformer_flux3 import (
+    Flux3Attention,
+    Flux3AttnProcessor,
+    Flux3FeedForward,
+    Flux3Transformer2DModel,
+)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from surgery.checks import SurgeryError
+from surgery.leaves import Processors, recast, rows, swap_rewrite, translate
+from surgery.registry import Family, Rewrite
+from surgery.slicing import Slice, row_slices
+from surgery.tensor_parallel import per_head_norm
+
+PROCESSORS = Processors((Flux3AttnProcessor,))
+
+
+def _gate_up(ff: nn.Module) -> list[tuple[str, int]]:
+    hidden = ff.linear_in.out_features // 2
+    return [("gate", hidden), ("up", hidden)]
+
+
+class Flux3SplitQKVAttention(Flux3Attention):
+    """A `Flux3Attention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v. It runs exactly
+    as a stock, never-fused `Flux3Attention`; the class only records that `surgery.fuse` restores `to_qkv`."""
+
+    def fuse_projections(self) -> None:
+        return None
+
+    def unfuse_projections(self) -> None:
+        self.__class__ = Flux3Attention  # the same module, its fusion forgotten (as stock unfusing leaves it)
+        self.fused_projections = False
+
+
+def _qkv_slices(m: nn.Module) -> list[Slice]:
+    inner = m.inner_dim
+    return row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "weight")
+
+
+def _split_qkv(m: nn.Module) -> nn.Module:
+    with torch.device("meta"):
+        q, k, v = (nn.Linear(m.query_dim, m.inner_dim, bias=False) for _ in range(3))
+    new = recast(m, Flux3SplitQKVAttention, to_q=q, to_k=k, to_v=v)
+    del new._modules["to_qkv"]
+    new.fused_projections = False
+    new.set_processor(translate(m.processor, unfusing=True))
+    return new
+
+
+def _join_qkv(m: nn.Module) -> nn.Module:
+    new = recast(m, Flux3Attention)
+    with torch.device("meta"):
+        new.to_qkv = nn.Linear(m.query_dim, 3 * m.inner_dim, bias=False)
+    new.fused_projections = True
+    new.set_processor(translate(m.processor, unfusing=False))
+    return new
+
+
+def _check_qkv(m: nn.Module, path: str, verb: str) -> None:
+    if getattr(m, "use_bias", False):
+        raise SurgeryError(f"surgery.{verb}: '{path}' has q/k/v biases, which Flux3Attention never builds.")
+
+
+REWRITES = (
+    swap_rewrite("flux3.feed_forward", Flux3FeedForward, leaves=(rows("linear_in", _gate_up),)),
+    # fuse_qkv_projections(): before the processor rewrite, which would otherwise take the fused module
+    Rewrite(
+        name="flux3.fused_qkv_attention",
+        fused=Flux3Attention,
+        unfused=Flux3SplitQKVAttention,
+        slices=_qkv_slices,
+        build_unfused=_split_qkv,
+        build_fused=_join_qkv,
+        is_fused=lambda m: bool(getattr(m, "fused_projections", False)),
+        check=_check_qkv,
+        in_checkpoints=False,
+    ),
+    swap_rewrite("flux3.attention", Flux3Attention, processors=PROCESSORS),
+)
+
+# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]).
+HEAD_NORM = per_head_norm(2)
+
+# Heads split across ranks; the output projection all-reduces once.
+ATTENTION_TP_PLAN = {
+    "to_q": ColwiseParallel(),
+    "to_k": ColwiseParallel(),
+    "to_v": ColwiseParallel(),
+    "norm_q": HEAD_NORM,
+    "norm_k": HEAD_NORM,
+    "to_out.0": RowwiseParallel(),
+}
+
+# gate and up split the hidden units across ranks; linear_out all-reduces once.
+FEED_FORWARD_TP_PLAN = {
+    "linear_in.gate": ColwiseParallel(),
+    "linear_in.up": ColwiseParallel(),
+    "linear_out": RowwiseParallel(),
+}
+
+TP_PLANS = {
+    Flux3Attention: ATTENTION_TP_PLAN,
+    Flux3SplitQKVAttention: ATTENTION_TP_PLAN,
+    Flux3FeedForward: FEED_FORWARD_TP_PLAN,
+}
+# A module with a stock (head-count) processor is refused as still fused before any of this applies; the plan needs
+# the twin (or Flux3SplitQKVAttention, which carries it).
+TP_WHEN = {Flux3Attention: lambda m: not getattr(m, "fused_projections", False)}
+
+
+# --- the family: configs, example inputs, test configs ---------------------------------------------------------------
+
+# No FLUX.3 checkpoint, config.json or conversion script is public as of diffusers 0.42.1 (its repository has no
+# scripts/convert_flux3_to_diffusers.py): the one variant is the `Flux3Transformer2DModel` defaults, which its
+# docstring describes as the released model (5 per-mode blocks for each of image, reference image and text; 28 joint
+# single blocks; 24 heads of 128; stacked Qwen3-VL text states of width 20480; 4 rotary axes of 32), and the
+# step-distilled flow-map form of it (`flow_map=True`: a second timestep embedder).
+_DEFAULTS = dict(
+    in_channels=128, cond_in_channels=128, num_layers=5, num_single_layers=28, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=20480, timestep_channels=256, mlp_ratio=3.0,
+    axes_dims_rope=(32, 32, 32, 32),
+)
+VARIANTS = {"flux3": dict(_DEFAULTS), "flow-map": dict(_DEFAULTS, flow_map=True)}
+
+
+def example_inputs(
+    config: dict,
+    batch: int = 1,
+    image_tokens: int = 16,
+    text_tokens: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> dict:
+    """Seeded keyword arguments for `Flux3Transformer2DModel.forward` (text-to-image: no reference image tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    axes = len(config.get("axes_dims_rope", (32, 32, 32, 32)))
+    inputs = dict(
+        hidden_states=torch.randn(batch, image_tokens, config.get("in_channels", 128), generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("joint_attention_dim", 20480),
+                                          generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_ids=torch.randint(0, 64, (image_tokens, axes), generator=generator),
+        txt_ids=torch.randint(0, 64, (text_tokens, axes), generator=generator),
+        target_timestep=torch.rand(batch, generator=generator) if config.get("flow_map", False) else None,
+    )
+    floating = {"hidden_states", "encoder_hidden_states", "timestep", "target_timestep"}
+    return {
+        k: None if v is None else v.to(device=device, dtype=dtype if k in floating else v.dtype)
+        for k, v in inputs.items()
+    }
+
+
+def reduced(config: dict, layers: int = 1, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count, MLP ratio and text width; fewer blocks, smaller heads."""
+    if head_dim % 8:
+        raise SurgeryError(f"head_dim {head_dim} is not a multiple of 8 (4 rotary axes of even size)")
+    return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
+                axes_dims_rope=(head_dim // 4,) * 4)
+
+
+def _small(**config) -> dict:
+    head_dim = config["attention_head_dim"]
+    return dict(dict(in_channels=16, cond_in_channels=16, timestep_channels=32,
+                     axes_dims_rope=(head_dim // 4,) * 4), **config)
+
+
+# The first config is what the conformance suite shards (world 2 and 4): 8 heads and int(64 * 3) = 192 hidden units.
+TEST_CONFIGS = {
+    "tp_wide": _small(num_layers=1, num_single_layers=2, num_attention_heads=8, attention_head_dim=8,
+                      joint_attention_dim=24),
+    # the flow-map (step-distilled) form, odd heads, a fractional MLP ratio
+    "flow_map_odd": _small(num_layers=1, num_single_layers=2, num_attention_heads=3, attention_head_dim=16,
+                           joint_attention_dim=16, mlp_ratio=2.5, flow_map=True),
+}
+
+FAMILY = Family(
+    name="flux3",
+    model_class=Flux3Transformer2DModel,
+    variants=VARIANTS,
+    sources="diffusers 0.42.1 Flux3Transformer2DModel defaults and docstring (no public config.json or conversion "
+    "script)",
+    default_variant="flux3",
+    example_inputs=example_inputs,
+    rewrites=REWRITES,
+    tp_plans=TP_PLANS,
+    tp_when=TP_WHEN,
+    # per block (text-mode and image-mode blocks; reference-image blocks only run with reference tokens, which
+    # example_inputs does not pass; joint single blocks): attention out + feed-forward out
+    all_reduces=lambda config: 2 * (2 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
+    test_configs=TEST_CONFIGS,
+    reduced=reduced,
+)
