@@ -1,7 +1,10 @@
 """diffusers' life cycle on an unfused model, in the stock layout: checkpoints and LoRA adapters keep stock names.
 
 `install(model)` (run at the end of `unfuse` and `fuse`) gives every diffusers model inside `model` that holds
-unfused modules three instance-level methods, which shadow the class's and call it:
+unfused modules four instance-level methods, which shadow the class's and call it:
+
+- `add_adapter`: a `LoraConfig`'s `target_modules` selects the layers it selects on the stock model
+  (`stock_targets`), so that an adapter trained on the unfused model is the stock adapter, split.
 
 - `save_pretrained`: diffusers' own writer, reading the fused layout (`saving.fused_layout`), so the files are
   bitwise what `fuse` + `save_pretrained` writes; a tensor-parallel model goes to `surgery.save_pretrained`.
@@ -279,6 +282,12 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
 
     from .lora import stock_lora_adapter
 
+    if adapter_name is None:
+        from diffusers.utils.peft_utils import get_adapter_name
+
+        adapter_name = get_adapter_name(self)
+    if adapter_name not in getattr(self, "peft_config", {}):  # diffusers' own check and message, first
+        raise ValueError(f"Adapter name {adapter_name} not found in the model.")
     if upcast_before_saving:
         self.to(dtype=torch.float32)
     state_dict, config = stock_lora_adapter(self, adapter_name)
@@ -294,7 +303,51 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
         torch.save(state_dict, path)
 
 
+def stock_targets(model: nn.Module, target_modules):
+    """A `target_modules` as stock diffusers reads it, for `model`'s unfused modules: the stock Linears it selects
+    (a fused one as its parts, `surgery.lora_target_modules`) plus any unfused part named in full, as one regex of
+    full names. None where that
+    selects nothing (PEFT then raises its own error) or for PEFT's "all-linear" shorthand (the same on both forms).
+
+    Without it, a stock name selects other layers on the unfused model: a new part's name may end like a stock
+    module's (`to_q`), and a fused module's name (`to_qkv_mlp_proj`, `proj_out`) no longer names a Linear.
+    """
+    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+    from .lora import _module, lora_target_modules
+    from .state_dict import key_map
+
+    if target_modules is None or target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND:
+        return None
+    names: set[str] = set()
+    try:
+        names |= set(lora_target_modules(model, target_modules))
+    except SurgeryError:
+        pass
+    if not isinstance(target_modules, str):
+        parts = {_module(s.unfused) for s in key_map(model) if s.unfused.endswith(".weight")}
+        names |= {t for t in target_modules if t in parts}
+    if not names:
+        return None
+    # one regex PEFT full-matches: a list entry is also a suffix ('proj_out' would pick 'blocks.0.proj_out' too)
+    import re
+
+    return "^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
+
+
+def _add_adapter(self, adapter_config, adapter_name: str = "default"):
+    """diffusers' `add_adapter`, with `target_modules` selecting the layers it selects on the stock model."""
+    import copy
+
+    targets = stock_targets(self, getattr(adapter_config, "target_modules", None))
+    if targets is not None:
+        adapter_config = copy.copy(adapter_config)
+        adapter_config.target_modules = targets
+    return type(self).add_adapter(self, adapter_config, adapter_name=adapter_name)
+
+
 _METHODS = {
+    "add_adapter": _add_adapter,
     "save_pretrained": _save_pretrained,
     "load_lora_adapter": _load_lora_adapter,
     "save_lora_adapter": _save_lora_adapter,

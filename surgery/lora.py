@@ -27,8 +27,12 @@ def _keys(module: str) -> tuple[str, str]:
     return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
 
 
-def _check_plain(state_dict: Mapping[str, torch.Tensor]) -> None:
-    odd = [k for k in state_dict if not any(f".{f}.weight" in k for f in _FACTORS)]
+def _check_plain(state_dict: Mapping[str, torch.Tensor], modules: set[str] | None = None) -> None:
+    """Refuse what cannot be split or joined exactly: anything but plain factors on `modules` (the fused modules or
+    their parts; every module where None). Keys of other modules (a DoRA magnitude or LoRA bias on a module that
+    `unfuse` never touches) pass through unchanged."""
+    odd = [k for k in state_dict if not any(f".{f}.weight" in k for f in _FACTORS)
+           and (modules is None or k.split(".lora_")[0] in modules)]
     if odd:
         raise SurgeryError(
             f"only plain LoRA factors (lora_A / lora_B weights) can be split; {odd[0]!r} is not one (DoRA magnitudes "
@@ -93,10 +97,10 @@ def unfuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[
     Keys may carry a prefix (`transformer.`, as `lora_state_dict` returns them): those keys are split and keep it;
     keys under another prefix pass through. An adapter that names none of the fused modules is refused.
     """
-    _check_plain(state_dict)
     weights = [s for s in slices if s.fused.endswith(".weight")]
     fused = {_module(s.fused) for s in weights}
     prefix = _adapter_prefix(state_dict, fused)
+    _check_plain(state_dict, {(prefix or "") + m for m in fused})
     if prefix is None:
         parts = {_module(s.unfused) for s in weights} - fused
         split = _adapter_prefix(state_dict, parts) is not None
@@ -147,7 +151,7 @@ def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:
 
 def fuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> dict[str, torch.Tensor]:
     """The inverse of `unfuse_lora_state_dict`: an adapter on the unfused modules for the fused ones, exactly."""
-    _check_plain(state_dict)
+    _check_plain(state_dict, {_module(s.unfused) for s in slices if s.fused.endswith(".weight")})
     out = dict(state_dict)
     for fused, group in group_by_fused([s for s in slices if s.fused.endswith(".weight")]):
         parts = [_keys(_module(s.unfused)) for s in group]

@@ -91,6 +91,16 @@ class SplitAdapter(unittest.TestCase):
         for key, value in fused.state_dict().items():
             torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
-    def test_dora_is_refused(self):
+    def test_dora_is_refused_on_split_modules_only(self):
+        slices = [surgery.Slice("qkv.weight", "q.weight", 0, 0, 2), surgery.Slice("qkv.weight", "k.weight", 0, 2, 4)]
+        factors = {"qkv.lora_A.weight": torch.ones(1, 3), "qkv.lora_B.weight": torch.ones(4, 1)}
         with self.assertRaisesRegex(surgery.SurgeryError, "DoRA magnitudes"):
-            surgery.unfuse_lora_state_dict({"a.lora_magnitude_vector": torch.ones(2)}, [])
+            surgery.unfuse_lora_state_dict({**factors, "qkv.lora_magnitude_vector": torch.ones(4)}, slices)
+        # a DoRA magnitude or LoRA bias on a module that unfuse never touches passes through, both ways
+        extra = {"out.lora_magnitude_vector": torch.ones(3), "out.lora_B.bias": torch.ones(3)}
+        split = surgery.unfuse_lora_state_dict({**factors, **extra}, slices)
+        self.assertEqual(sorted(split), sorted(["k.lora_A.weight", "k.lora_B.weight", "q.lora_A.weight",
+                                                "q.lora_B.weight", *extra]))
+        self.assertEqual(sorted(surgery.fuse_lora_state_dict(split, slices)), sorted([*factors, *extra]))
+        with self.assertRaisesRegex(surgery.SurgeryError, "DoRA magnitudes"):
+            surgery.fuse_lora_state_dict({**split, "q.lora_B.bias": torch.ones(2)}, slices)
