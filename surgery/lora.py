@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from .checks import SurgeryError
+from .lora_tp import shard_lora  # noqa: F401 - public here: LoRA layers on a tensor-parallel model (training)
 from .slicing import Slice, group_by_fused
 
 _FACTORS = ("lora_A", "lora_B")

@@ -90,21 +90,34 @@ def factor_placements(style: ParallelStyle) -> tuple[tuple, tuple]:
     return (Shard(1),), (Replicate(),)
 
 
-def lay_out(a: nn.Module, b: nn.Module, style: ParallelStyle, mesh, src_data_rank: int | None = None) -> None:
+def lay_out(a: nn.Module, b: nn.Module, base: nn.Linear, style: ParallelStyle, mesh,
+            src_data_rank: int | None = None) -> None:
     """Give one adapter's `lora_A` / `lora_B` Linears of a base of `style` their placements and the style's hooks.
 
-    Factors that are already DTensors (a sharded load) keep their values; whole ones are placed (`src_data_rank`: the
-    rank whose values every rank gets, as in `tensor_parallel`; None: each rank keeps its own).
+    Factors that are already DTensors (a sharded load) keep their values. Whole ones are placed (`src_data_rank`:
+    the rank whose values every rank gets, as in `tensor_parallel`; None: each rank keeps its own). Factors PEFT
+    sized to the base's local shard (it does so when the base weight's mesh has dim names other than "fsdp", as for
+    transformers' TP) are this rank's shard already and become the DTensor they are a shard of.
     """
     from .tensor_parallel import place
 
-    for linear, placements in zip((a, b), factor_placements(style)):
+    for linear, placements, full in zip((a, b), factor_placements(style),
+                                        ((None, base.in_features), (base.out_features, None))):
         for name, param in list(linear.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
                 continue
-            placement = placements[0] if name == "weight" else (Replicate() if isinstance(style, RowwiseParallel)
-                                                                or linear is a else Shard(0))
-            tensor = place(param.detach(), placement, mesh, src_data_rank)
+            if name == "weight":
+                placement = placements[0]
+                shape = torch.Size((param.shape[0] if full[0] is None else full[0],
+                                    param.shape[1] if full[1] is None else full[1]))
+            else:  # a LoRA bias (lora_B's): sharded with the base's rows, else whole
+                placement = Shard(0) if isinstance(style, ColwiseParallel) and linear is b else Replicate()
+                shape = torch.Size((base.out_features,))
+            if param.shape == shape:
+                tensor = place(param.detach(), placement, mesh, src_data_rank)
+            else:
+                tensor = DTensor.from_local(param.detach(), mesh, (placement,), run_check=False, shape=shape,
+                                            stride=torch.empty(shape, device="meta").stride())
             setattr(linear, name, nn.Parameter(tensor, requires_grad=param.requires_grad))
     if isinstance(style, ColwiseParallel):
         if not _laid_out(a):
@@ -145,7 +158,7 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
             if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
                 raise SurgeryError(f"surgery.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight norm "
                                    "needs the whole base weight, which a sharded Linear does not hold.")
-            lay_out(layer.lora_A[name], layer.lora_B[name], style, mesh, src_data_rank)
+            lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
     return model
 
 
@@ -247,21 +260,31 @@ def local_factor(factor: LazyFactor, placement, mesh, dtype: torch.dtype) -> DTe
 
 
 @contextlib.contextmanager
-def dtensor_padding() -> Iterator[None]:
-    """While loading on a sharded model: PEFT's `prepare_model_for_compiled_hotswap` pads factors in place.
+def peft_on_dtensors() -> Iterator[None]:
+    """While loading on a sharded model: PEFT sizes factors globally and pads them in place.
 
-    PEFT pads by building new `nn.Linear`s from plain zeros, which would drop the factors' DTensor layout and their
-    hooks; here each factor's local tensor is padded along the rank dim (never the sharded one) and the same module
-    keeps it. Everything else of PEFT's preparation (scalings as tensors, the config's rank) runs as it is.
+    - PEFT sizes a factor to the base weight's local shard when the weight's mesh has dim names (transformers' TP);
+      the loaded factors are DTensors of the adapter's global shape, so the layers are sized globally here.
+    - PEFT's `prepare_model_for_compiled_hotswap` pads by building new `nn.Linear`s from plain zeros, which would drop
+      the factors' DTensor layout and their hooks; here each factor's local tensor is padded along the rank dim
+      (never the sharded one) and the same module keeps it. The rest of PEFT's preparation (scalings as tensors,
+      the config's rank) runs as it is.
     """
     import peft.utils.hotswap as hotswap
+    from peft.tuners.lora import LoraLayer
 
-    stock = hotswap._pad_lora_weights
-    hotswap._pad_lora_weights = pad_lora_weights
+    stock_pad, stock_features = hotswap._pad_lora_weights, LoraLayer._get_in_out_features
+
+    def features(self, module):
+        if isinstance(module, nn.Linear):
+            return module.in_features, module.out_features
+        return stock_features(self, module)
+
+    hotswap._pad_lora_weights, LoraLayer._get_in_out_features = pad_lora_weights, features
     try:
         yield
     finally:
-        hotswap._pad_lora_weights = stock
+        hotswap._pad_lora_weights, LoraLayer._get_in_out_features = stock_pad, stock_features
 
 
 def pad_lora_weights(model: nn.Module, target_rank: int) -> bool:
@@ -411,6 +434,7 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
     from .diffusers_hooks import split_adapter
 
     verb = f"{type(model).__name__}.load_lora_adapter"
+    said = f"surgery.{verb}"
     styles = linear_styles(model)
     mesh = tp_mesh(model, styles)
     if mesh is None or mesh.ndim != 1:
@@ -419,17 +443,17 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
     kwargs = dict(kwargs)
     adapter_name = kwargs.pop("adapter_name", None) or get_adapter_name(model)
     kwargs.pop("low_cpu_mem_usage", None)
-    source_name = f"the adapter {source!r}" if not isinstance(source, Mapping) else "the adapter"
+    source_name = f"the adapter '{source}'" if not isinstance(source, Mapping) else "the adapter"
     head = f"{prefix}." if prefix else ""
 
     def check():
         state, metadata = _open(source, kwargs)
         alphas = kwargs.pop("network_alphas", None)
         state, metadata, alphas = split_adapter(model, dict(state), prefix, metadata, alphas)
-        _check(model, state, head, adapter_name, hotswap, verb, source_name)
+        _check(model, state, head, adapter_name, hotswap, said, source_name)
         return state, metadata, alphas
 
-    state, metadata, alphas = agree(mesh, f"{verb}", check)
+    state, metadata, alphas = agree(mesh, verb, check)
     params = dict(model.named_parameters())
     tensors = {}
     for key, factor in state.items():
@@ -448,7 +472,7 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
     del params
     error: BaseException | None = None
     try:
-        with dtensor_padding():
+        with peft_on_dtensors():
             type(model).load_lora_adapter(model, tensors, prefix=prefix, hotswap=hotswap, metadata=metadata,
                                           network_alphas=alphas, adapter_name=adapter_name,
                                           low_cpu_mem_usage=True, **kwargs)
