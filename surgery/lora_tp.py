@@ -492,6 +492,18 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
         raise
 
 
+class _World:
+    """The default process group as `surgery.agreement.agree` sees a mesh (its size and group)."""
+
+    ndim = 1
+
+    def size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    def get_group(self):
+        return torch.distributed.group.WORLD
+
+
 def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_serialization: bool,
                  weight_name: str | None) -> None:
     """`save_lora_adapter` on a tensor-parallel model: every rank calls it; the factors are gathered one at a time
@@ -509,6 +521,8 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
 
     verb = f"{type(model).__name__}.save_lora_adapter"
     mesh = tp_mesh(model)
+    if mesh is None or mesh.ndim > 1:  # FSDP2 over TP: gathering a factor involves every rank, so all agree
+        mesh = _World()
     target = Path(save_directory)
     name = weight_name or (LORA_WEIGHT_NAME_SAFE if safe_serialization else LORA_WEIGHT_NAME)
 
