@@ -7,7 +7,8 @@
 Each measurement runs in fresh processes (one per rank, gloo). Each rank builds its shard of the model (meta ->
 `tensor_parallel` with `src_data_rank=None` -> `to_empty`: only the shards are allocated), then resets its kernel
 high-water mark (`/proc/self/clear_refs` = 5) and loads the adapter; the increase of `VmHWM` over `VmRSS` before the
-load is the load's peak. Ways of loading compared:
+load is the load's peak (glibc's mmap threshold fixed at 64 KiB in those processes, so that blocks freed earlier
+are not reused silently). Ways of loading compared:
 
 - `file (sliced)`: `transformer.load_lora_adapter(folder)` on the sharded model: each rank reads only its slices.
 - `state dict (pipeline)`: what `pipe.load_lora_weights(folder)` does: diffusers' `lora_state_dict` reads the whole
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -107,9 +109,10 @@ def measure(rank: int, world: int, args, folder: str, how: str) -> dict:
         model.load_lora_adapter(state_dict, adapter_name="a", metadata=metadata)
         del state_dict
     peak = status("VmHWM") - before
+    after = status("VmRSS") - before
     share = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes
                 for n, p in model.named_parameters() if "lora_" in n)
-    return {PEAK: peak, SHARE: share, MODEL: model_bytes}
+    return {PEAK: peak, SHARE: share, MODEL: model_bytes, "RSS after - before": after, "RSS before": before}
 
 
 def main() -> None:
@@ -122,6 +125,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.rank = 4
+    # glibc returns every block over 64 KiB to the kernel when freed (no dynamic threshold, no arena reuse of big
+    # frees), so the high-water mark shows what the load itself allocates, not what earlier frees left behind
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     with tempfile.TemporaryDirectory(prefix="surgery-lora-bench-") as tmp:
         folder = Path(tmp) / "adapter"
         info = write_adapter(args, folder)
@@ -133,13 +139,13 @@ def main() -> None:
              f"{'tiny config' if args.smoke else '1 double + 1 single block'}, bf16, rank {args.rank}, TP {args.tp}", "",
              f"adapter: {info['adapter tensors']} tensors, {info['adapter bytes'] / mib:.1f} MiB "
              f"(file {info['file bytes'] / mib:.1f} MiB), largest factor {info['largest factor bytes'] / mib:.2f} MiB",
-             "", "| load | rank | peak over RSS before (MiB) | rank's share of the adapter (MiB) | "
-             "share + largest factor (MiB) | rank's model (MiB) |", "|---|---|---|---|---|---|"]
+             "", "| load | rank | peak over RSS before (MiB) | RSS after - before (MiB) | rank's share of the adapter "
+             "(MiB) | share + largest factor (MiB) | rank's model (MiB) |", "|---|---|---|---|---|---|---|"]
     for how, ranks in rows.items():
         for r, m in enumerate(ranks):
             share, model = m[SHARE], m[MODEL]
-            lines.append(f"| {how} | {r} | {m[PEAK] / mib:.1f} | {share / mib:.1f} | "
-                         f"{(share + info['largest factor bytes']) / mib:.1f} | {model / mib:.0f} |")
+            lines.append(f"| {how} | {r} | {m[PEAK] / mib:.1f} | {m['RSS after - before'] / mib:.1f} | "
+                         f"{share / mib:.1f} | {(share + info['largest factor bytes']) / mib:.1f} | {model / mib:.0f} |")
     text = "\n".join(lines)
     print(text)
     out = Path(__file__).resolve().parent / "results"
