@@ -13,7 +13,7 @@ from .checkpoint import convert_checkpoint
 from .checks import SurgeryError
 from .context_parallel import context_parallel
 from .loading import load_tensor_parallel
-from .lora import fuse_lora_state_dict, lora_target_modules, stock_lora_adapter, unfuse_lora_state_dict
+from .lora import fuse_lora_state_dict, lora_target_modules, shard_lora, stock_lora_adapter, unfuse_lora_state_dict
 from .registry import Family, Rewrite, families, register, register_family, register_tp_plan, registered, tp_plans
 from .rewrite import fuse, last_report, unfuse
 from .saving import save_pretrained
@@ -38,6 +38,7 @@ __all__ = [
     "fuse_lora_state_dict",
     "lora_target_modules",
     "stock_lora_adapter",
+    "shard_lora",
     "SurgeryError",
     # extension API
     "Family",

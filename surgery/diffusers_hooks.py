@@ -179,16 +179,6 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
 # --- LoRA -----------------------------------------------------------------------------------------------------------
 
 
-def _tp_recipe(model: nn.Module) -> SurgeryError:
-    return SurgeryError(
-        f"{type(model).__name__}.load_lora_adapter: the model is sharded with tensor parallelism, and PEFT's LoRA "
-        "layers cannot wrap sharded Linears. Load and merge the adapter before sharding: surgery.unfuse(model); "
-        "model.load_lora_adapter(adapter, prefix=...); model.fuse_lora(); model.unload_lora(); "
-        "surgery.tensor_parallel(model, mesh) (or merge it into the checkpoint: fuse_lora, unload_lora, "
-        "surgery.save_pretrained, then surgery.load_tensor_parallel)."
-    )
-
-
 def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metadata: dict | None,
                   network_alphas: dict | None) -> tuple[dict, dict | None, dict | None]:
     """An adapter in stock names (diffusers' format, keys under `prefix.`) split for `model`'s unfused modules."""
@@ -214,7 +204,7 @@ def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metada
             "magnitude, LoRA bias or LoKr factor) of a fused module, which cannot be split exactly. Load it into the "
             "stock model, merge it (fuse_lora(); unload_lora()), then surgery.unfuse."
         )
-    split, _ = _split(mine, slices)
+    split, _ = _split(mine, slices, unfused_ok=True)
     out = {**{k: v for k, v in state_dict.items() if not k.startswith(head)}, **{head + k: v for k, v in split.items()}}
     if metadata is not None:
         config = {k[len(head):]: v for k, v in metadata.items() if k.startswith(head)}
@@ -243,7 +233,9 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
     from . import saving
 
     if saving.is_sharded(self):
-        raise _tp_recipe(self)
+        from .lora_tp import load_sharded
+
+        return load_sharded(self, pretrained_model_name_or_path_or_dict, prefix, hotswap, kwargs)
     state_dict, metadata = pretrained_model_name_or_path_or_dict, kwargs.pop("metadata", None)
     if not isinstance(state_dict, dict):
         from diffusers.loaders.lora_base import _fetch_state_dict
@@ -273,12 +265,10 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
 def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upcast_before_saving: bool = False,
                        safe_serialization: bool = True, weight_name: str | None = None):
     """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.stock_lora_adapter`)."""
-    import json
     import os
     from pathlib import Path
 
-    import safetensors.torch
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
+    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
 
     from .lora import stock_lora_adapter
 
@@ -288,17 +278,33 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
         adapter_name = get_adapter_name(self)
     if adapter_name not in getattr(self, "peft_config", {}):  # diffusers' own check and message, first
         raise ValueError(f"Adapter name {adapter_name} not found in the model.")
+    from . import saving
+
     if upcast_before_saving:
         self.to(dtype=torch.float32)
+    if saving.is_sharded(self):
+        from .lora_tp import save_sharded
+
+        return save_sharded(self, save_directory, adapter_name, safe_serialization, weight_name)
     state_dict, config = stock_lora_adapter(self, adapter_name)
     if os.path.isfile(save_directory):
         raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
     os.makedirs(save_directory, exist_ok=True)
     path = Path(save_directory, weight_name or (LORA_WEIGHT_NAME_SAFE if safe_serialization else LORA_WEIGHT_NAME))
+    write_adapter(path, state_dict, config, safe_serialization)
+
+
+def write_adapter(path, state_dict: dict, config: dict, safe_serialization: bool = True) -> None:
+    """The adapter file diffusers' `save_lora_adapter` writes: safetensors with the `LoraConfig` in its metadata."""
+    import json
+
+    import safetensors.torch
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
     if safe_serialization:
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
         metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)}
-        safetensors.torch.save_file(state_dict, path, metadata=metadata)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, path, metadata=metadata)
     else:
         torch.save(state_dict, path)
 

@@ -12,6 +12,7 @@ from typing import Mapping
 import torch
 
 from .checks import SurgeryError
+from .lora_tp import shard_lora  # noqa: F401 - public here: LoRA layers on a tensor-parallel model (training)
 from .slicing import Slice, group_by_fused
 
 _FACTORS = ("lora_A", "lora_B")
@@ -40,8 +41,14 @@ def _check_plain(state_dict: Mapping[str, torch.Tensor], modules: set[str] | Non
         )
 
 
-def _split(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> tuple[dict[str, torch.Tensor], int]:
-    """`state_dict` with every fused module's factors split into its parts' factors; and how many modules were split."""
+def _split(state_dict: Mapping[str, torch.Tensor], slices: list[Slice],
+           unfused_ok: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    """`state_dict` with every fused module's factors split into its parts' factors; and how many modules were split.
+
+    `unfused_ok`: factors of a module whose unfused part has the fused module's name (FLUX.2's single-stream
+    `attn.to_out`) and the part's width are already in the unfused layout (an adapter saved with plain PEFT from the
+    unfused model): they are kept as they are instead of refused.
+    """
     out = dict(state_dict)
     count = 0
     for fused, group in group_by_fused([s for s in slices if s.fused.endswith(".weight")]):
@@ -53,9 +60,13 @@ def _split(state_dict: Mapping[str, torch.Tensor], slices: list[Slice]) -> tuple
         if width != group[-1].stop:
             same_name = next((s for s in group if _module(s.unfused) == _module(fused)), None)
             if same_name is not None and width == same_name.size:
+                if unfused_ok:
+                    out[a_key], out[b_key] = a, b
+                    continue
                 raise SurgeryError(
                     f"the adapter's '{_module(fused)}' factors already have the unfused module's width ({width}): "
-                    "it is already in the unfused layout; load it as it is."
+                    "it is already in the unfused layout. Load it as it is: model.load_lora_adapter(...) on the "
+                    "unfused model takes either layout (or inject it with PEFT's set_peft_model_state_dict)."
                 )
             raise SurgeryError(
                 f"the adapter's {b_key if group[0].dim == 0 else a_key} has shape "
@@ -108,7 +119,8 @@ def unfuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[
         raise SurgeryError(
             f"surgery.unfuse_lora_state_dict: none of the adapter's {len(state_dict)} keys (first {first!r}) is on one "
             f"of the {len(fused)} fused modules of the key map (e.g. {sorted(fused)[:1]}). "
-            + ("It is already in the unfused layout: load it as it is."
+            + ("It is already in the unfused layout: load it as it is (model.load_lora_adapter on the unfused "
+               "model takes either layout)."
                if split else "Pass surgery.key_map(model) of the model it was trained for; an adapter that targets no "
                "fused module needs no split.")
         )
@@ -228,6 +240,9 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     config = model.peft_config[adapter_name].to_dict()
     slices = key_map(model)
     state = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    # a tensor-parallel model's factors are DTensors: gather them one factor at a time (every rank calls this, in
+    # the same order), never the model
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     scale = {
         name: float(layer.scaling[adapter_name])
         for name, layer in model.named_modules()

@@ -192,6 +192,30 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def test_adapter_saved_with_plain_peft_from_the_unfused_model_loads_back(self):
+        # issue 18: an adapter in the unfused names (PEFT's own state dict of the unfused model) is loaded as it is
+        config = small_config("klein9b_small")
+        base = build(config, 3)
+        kw = inputs(config, 3)
+        trained = surgery.unfuse(copy.deepcopy(base))
+        add_random_adapter(trained, "x", 4, targets=surgery.lora_target_modules(trained, STOCK_TARGETS))
+        layers = get_peft_model_state_dict(trained, adapter_name="x")
+        self.assertIn("single_transformer_blocks.0.attn.to_out.lora_A.weight", layers)  # the name both layouts use
+        folder = Path(tempfile.mkdtemp(prefix="surgery-lora-"))
+        try:
+            Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=layers,
+                                            transformer_lora_adapter_metadata=trained.peft_config["x"].to_dict())
+            for how in ("pipeline", "model"):
+                again = surgery.unfuse(copy.deepcopy(base))
+                if how == "pipeline":
+                    load_like_a_pipeline(again, folder, "x")
+                else:
+                    again.load_lora_adapter(folder, adapter_name="x", weight_name="pytorch_lora_weights.safetensors")
+                self.assertLessEqual(rel_err(forward(again, kw), forward(trained, kw)), FP32_TOL, how)
+            self.assertGreater(rel_err(forward(trained, kw), forward(base, kw)), 1e-3)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
     def test_stock_targets_that_match_nothing_are_refused(self):
         unfused = surgery.unfuse(build(small_config("klein9b_small"), 0))
         with self.assertRaisesRegex(surgery.SurgeryError, "selects no Linear"):

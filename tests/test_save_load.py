@@ -128,7 +128,7 @@ class SaveLoad(unittest.TestCase):
             self.assertFalse(result["push_to_hub_folder"])
             self.assertLessEqual(result["lora_merged_before_sharding"], FP32_TOL)
             self.assertLessEqual(result["lora_vs_trained"], FP32_TOL)
-            self.assertIn("Load and merge the adapter before sharding", result["lora_after_sharding_error"])
+            self.assertLessEqual(result["lora_after_sharding"], FP32_TOL)
 
 
 @unittest.skipUnless(os.environ.get("SURGERY_MEMORY_TESTS"),

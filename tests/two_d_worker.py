@@ -184,54 +184,26 @@ def add_lora(model, factors: dict):
     return model
 
 
+def set_lora_local(model, factors: dict, mesh):
+    """`set_lora` for factors PEFT sized to the local shard of a sharded base: each rank copies its rows/columns."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    with torch.no_grad():
+        for path, full in factors.items():
+            layer = model.get_submodule(path)
+            for factor, value in zip((layer.lora_A["default"].weight, layer.lora_B["default"].weight), full):
+                for dim in (0, 1):
+                    if factor.shape[dim] != value.shape[dim]:
+                        value = value.chunk(world, dim)[rank]
+                factor.copy_(value)
+    return model
+
+
 def set_lora(model, factors: dict):
     with torch.no_grad():
         for path, (a, b) in factors.items():
             layer = model.get_submodule(path)
             layer.lora_A["default"].weight.copy_(a)
             layer.lora_B["default"].weight.copy_(b)
-    return model
-
-
-def shard_lora(model, mesh, factors: dict):
-    """The recipe for LoRA on a model sharded by `surgery.tensor_parallel`: each factor laid out by the base Linear's
-    stock style, with `factors` (full size, the same on every rank) as values.
-
-    Column-sharded base: A stays whole (its input is replicated), B takes the base's rows (`ColwiseParallel`, the
-    style itself). Row-sharded base: A takes the base's input columns (the base's own `RowwiseParallel`, so its
-    output is reduced the same way: all-reduced, or left `Partial` to join the block's single all-reduce), B stays
-    whole (a replicated DTensor when A's output stays a DTensor). PEFT 0.21 sizes a factor to the base weight's
-    local shard when the weight's mesh has named dims (transformers' TP); whole or local, each becomes the DTensor
-    it is a shard of.
-    """
-    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from surgery.walk import planned_modules
-
-    def place(linear, full, dim):
-        shard = distribute_tensor(full, mesh, [Shard(dim)], src_data_rank=None)
-        linear.weight = torch.nn.Parameter(shard, requires_grad=True)
-
-    for path, module, plan in planned_modules(model):
-        for key, style in plan.items():
-            full_path = f"{path}.{key}" if path and key else path or key
-            if full_path not in factors:
-                continue
-            layer = module.get_submodule(key)
-            a_full, b_full = factors[full_path]
-            a, b = layer.lora_A["default"], layer.lora_B["default"]
-            if isinstance(style, ColwiseParallel):
-                with torch.no_grad():
-                    a.weight = torch.nn.Parameter(a_full.clone())
-                place(b, b_full, 0)
-                parallelize_module(b, mesh, copy.copy(style))
-            elif isinstance(style, RowwiseParallel):
-                place(a, a_full, 1)
-                parallelize_module(a, mesh, copy.copy(style))
-                b.weight = torch.nn.Parameter(b_full.clone())
-                if not style.use_local_output:
-                    distribute_module(b, mesh)  # replicated: Partial in, Partial out
     return model
 
 
@@ -248,8 +220,11 @@ def check_lora(mesh) -> dict:
     initial = {n: p.detach().clone() for n, p in reference.named_parameters()}
     ref_grads, ref_params = train_step(reference, kw, target, torch.optim.SGD, lr=0.1)
 
-    model = add_lora(surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"]), factors)
-    shard_lora(model, mesh["tp"], factors)
+    # PEFT sizes the factors to the base weights' local shards here (their mesh has dim names): set_lora_local gives
+    # each rank its shards of the same full-size factors; surgery.shard_lora lays them out (no collective)
+    model = set_lora_local(add_lora(surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"]), factors), factors,
+                           mesh["tp"])
+    surgery.shard_lora(model, mesh["tp"], src_data_rank=None)
     fully_shard_blocks(model, mesh["dp"])
     grads, params = train_step(model, _batch_slice(kw, dp_rank, dp), target.chunk(dp)[dp_rank], torch.optim.SGD, lr=0.1)
     frozen = [n for n in params if "lora_" not in n]
