@@ -131,8 +131,9 @@ def check_hooks(module: nn.Module, path: str, verb: str, torch_hooks: bool = Tru
         )
 
 
-def check_linear(module: nn.Module, path: str, verb: str) -> None:
-    """A Linear whose parameters get sliced or concatenated must be a plain, unsharded, unquantized `nn.Linear`."""
+def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = False) -> None:
+    """A Linear whose parameters get sliced or concatenated must be a plain, unsharded, unquantized `nn.Linear`
+    (`embedding=True`: a plain `nn.Embedding`, which the stock styles shard too)."""
     cls = type(module)
     if hasattr(module, "base_layer") or cls.__module__.startswith("peft"):
         raise SurgeryError(
@@ -152,7 +153,7 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
                 f"surgery.{verb}: '{path}.{name}' is already sharded (a DTensor with placements "
                 f"{tuple(param.placements)}). {fix}"
             )
-    if cls is not nn.Linear:
+    if cls is not (nn.Embedding if embedding else nn.Linear):
         what = "a quantized layer" if "quant" in f"{cls.__module__}.{cls.__name__}".lower() else "not a torch.nn.Linear"
         raise SurgeryError(
             f"surgery.{verb}: '{path}' is a {cls.__module__}.{cls.__name__}, {what}. Only plain nn.Linear layers can be "

@@ -23,7 +23,7 @@ def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for path, module, plan in planned:
         for key, style in plan.items():
-            placements = linear_placements(style)
+            placements = linear_placements(style, module.get_submodule(key))
             if placements is None:
                 continue
             prefix = ".".join(p for p in (path, key) if p)
