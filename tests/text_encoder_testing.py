@@ -120,3 +120,45 @@ def outputs(encoder: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> lis
     if getattr(out, "logits", None) is not None:
         found.append(out.logits)
     return [t.full_tensor() if hasattr(t, "full_tensor") else t for t in found]
+
+
+PUBLISHED_VOCAB = 2048  # the vocabulary is cut (its width kept): the embedding and lm_head would cost 2.7 GB a rank
+
+
+def published_layer(name: str, seed: int = 0) -> nn.Module:
+    """One layer of a published encoder at its published width, bf16, from `rewrites/pipelines.py`'s configs."""
+    import importlib
+
+    from rewrites import pipelines
+    from surgery.inspect import default_dtype
+
+    spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL,
+            "qwen25_vl_text": pipelines.QWEN25_VL_7B}[name]
+    cls_name, config_name, config = spec
+    config = {**config}
+    if name == "mistral3":
+        config["text_config"] = {**config["text_config"], "num_hidden_layers": 1, "vocab_size": PUBLISHED_VOCAB}
+        config["vision_config"] = {**config["vision_config"], "num_hidden_layers": 1, "hidden_size": 64,
+                                   "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 32}
+    elif name == "t5_xxl":
+        config.update(num_layers=1, vocab_size=PUBLISHED_VOCAB)
+    else:  # Qwen2.5-VL's text model alone
+        cls_name, config_name = "transformers.Qwen2_5_VLTextModel", "transformers.Qwen2_5_VLTextConfig"
+        config = {**config["text_config"], "num_hidden_layers": 1, "vocab_size": PUBLISHED_VOCAB}
+
+    def load(qualified: str):
+        module, _, attr = qualified.rpartition(".")
+        return getattr(importlib.import_module(module), attr)
+
+    from accelerate import init_empty_weights
+
+    # parameters on meta (every one is drawn below), buffers (rotary frequencies) computed for real
+    with default_dtype(torch.bfloat16), init_empty_weights(include_buffers=False):
+        model = load(cls_name)(load(config_name)(**config))
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        owner, _, leaf = name.rpartition(".")
+        value = torch.empty(param.shape, dtype=torch.float32).uniform_(-1.0, 1.0, generator=generator)
+        value = value * (3 / param.shape[-1]) ** 0.5 if param.dim() > 1 else 1.0 + 0.1 * value
+        setattr(model.get_submodule(owner), leaf, nn.Parameter(value.to(torch.bfloat16), requires_grad=False))
+    return model.eval()
