@@ -39,7 +39,7 @@ def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
     if registry is not None and any(name.startswith("cp_") for name in getattr(registry, "hooks", {})):
         kinds.append("diffusers context-parallel hooks (call surgery.tensor_parallel before surgery.context_parallel, "
                      "on a model without them)")
-    elif registry is not None:
+    elif registry is not None and getattr(registry, "hooks", True):  # an empty registry: left by `cache_context`
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:
         kinds.append("accelerate hooks (device_map or CPU offloading)")

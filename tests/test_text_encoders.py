@@ -79,6 +79,27 @@ class PublishedWidth(unittest.TestCase):
                 self.assertGreaterEqual(row["sharded"], 7, name)
 
 
+class WholePipelines(unittest.TestCase):
+    @parameterized.expand([("flux2_dev",), ("flux1",), ("qwenimage",)])
+    def test_sharded_pipeline_gives_the_single_device_image(self, kind):
+        for rank, result in enumerate(ranks(2)):
+            row = result["pipelines"][kind]
+            print(f"\n{kind} pipeline, transformer and text encoders over 2 ranks, rank {rank}: rel err "
+                  f"{row['error']:.2e}, PSNR {row['psnr']:.1f} dB")
+            self.assertGreater(row["std"], 0.01)  # a real image, not a constant
+            self.assertLessEqual(row["error"], FP32_TOL)
+            sharded = {r["component"] for r in row["report"] if r["sharded"]}
+            expected = {"transformer", "text_encoder_2"} if kind == "flux1" else {"transformer", "text_encoder"}
+            self.assertEqual(sharded, expected)
+
+    def test_report_says_what_stays_whole_and_why(self):
+        report = {r["component"]: r for r in ranks(2)[0]["pipelines"]["flux1"]["report"]}
+        self.assertFalse(report["vae"]["sharded"])
+        self.assertIn("no tensor-parallel plan", report["vae"]["reason"])
+        self.assertIn("CLIPTextModel nor shipped by transformers", report["text_encoder"]["reason"])
+        self.assertIn("not a torch module", report["tokenizer_2"]["reason"])
+
+
 class PipelinePlan(unittest.TestCase):
     def test_flux2_dev_at_tp8(self):
         result = pipeline_plan("flux2-dev", 8)

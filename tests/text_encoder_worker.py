@@ -40,6 +40,23 @@ def run(rank: int, world: int) -> dict:
             out[f"refusal_{name}"] = str(error)
     if world == 2:  # one worker process per world size: the 2-rank one also runs the published-width layers
         out["published"] = run_published(rank, world, mesh)
+        out["pipelines"] = run_pipelines(rank, world, mesh)
+    return out
+
+
+def run_pipelines(rank: int, world: int, mesh) -> dict:
+    """FLUX.2-dev, FLUX.1 and QwenImage pipelines: the single-device image, then every component sharded."""
+    import pipeline_testing as P
+    import whole_pipeline_testing as WP
+
+    out = {}
+    for kind, build in WP.PIPELINES.items():
+        pipe = build(0)
+        expected = WP.generate(kind, pipe)
+        report = surgery.tensor_parallel_pipeline(pipe, mesh)
+        got = WP.generate(kind, pipe)
+        out[kind] = {"error": rel_err(got, expected), "psnr": P.psnr(got, expected), "std": float(expected.std()),
+                     "report": [{k: r[k] for k in ("component", "class", "sharded", "reason")} for r in report]}
     return out
 
 
