@@ -108,3 +108,32 @@ def check_heads(module: nn.Module, path: str, world: int) -> None:
                 f"{world} cannot split into whole heads. Use a mesh size that divides {heads}: "
                 f"{mesh_sizes_dividing(heads)}."
             )
+
+
+def checkpoint_renames(model: nn.Module, stored: set[str]) -> dict[str, str]:
+    """Stored name -> model name for a transformers model's checkpoint, by transformers' own key renamings
+    (`conversion_mapping`: `language_model.model.layers...` -> `model.language_model.layers...`); `{}` for other
+    models. A tensor that transformers converts on load (concatenates, splits) rather than renames is an error: only
+    renamed tensors can be read slice by slice."""
+    if not type(model).__module__.startswith("transformers."):
+        return {}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = dict.fromkeys(name for name, _ in model.named_parameters())
+    meta.update(dict.fromkeys(name for name, _ in model.named_buffers()))
+    names = {}
+    for key in stored:
+        renamed, converted = rename_source_key(key, renamings, converters, getattr(model, "base_model_prefix", None),
+                                               meta)
+        if converted is not None:
+            raise SurgeryError(
+                f"load_tensor_parallel: transformers converts checkpoint tensor {key!r} on load ({converted!r}), "
+                "which cannot be read slice by slice. Load the model with from_pretrained, then call "
+                "surgery.tensor_parallel."
+            )
+        names[key] = renamed
+    return names

@@ -4,6 +4,7 @@ published width; the pipeline-level report and `surgery plan --pipeline`."""
 
 import functools
 import re
+import tempfile
 import unittest
 
 import torch
@@ -21,7 +22,11 @@ FP32_TOL, BF16_TOL = 1e-5, 3e-2
 
 @functools.lru_cache(maxsize=None)
 def ranks(world: int) -> list[dict]:
-    return run_on_cpu_ranks(W.run, world)
+    if world != 2:
+        return run_on_cpu_ranks(W.run, world)
+    with tempfile.TemporaryDirectory(prefix="surgery-text-encoders-") as folder:
+        W.save_text_encoders(folder)  # each as a pipeline's text_encoder/, sharded with an index
+        return run_on_cpu_ranks(W.run, world, folder)
 
 
 class TinyEncoders(unittest.TestCase):
@@ -98,6 +103,20 @@ class WholePipelines(unittest.TestCase):
         self.assertIn("no tensor-parallel plan", report["vae"]["reason"])
         self.assertIn("CLIPTextModel nor shipped by transformers", report["text_encoder"]["reason"])
         self.assertIn("not a torch module", report["tokenizer_2"]["reason"])
+
+
+class Loading(unittest.TestCase):
+    @parameterized.expand([(name,) for name in W.LOADED])
+    def test_each_rank_reads_its_slices_of_text_encoder_safetensors(self, name):
+        for rank, result in enumerate(ranks(2)):
+            row = result["loading"][name]
+            print(f"\n{name} loaded sharded from text_encoder/ ({row['files'] - 3} safetensors files), rank {rank}: "
+                  f"rel err {row['error']:.2e}")
+            self.assertLessEqual(row["error"], FP32_TOL)
+            self.assertTrue(row["same_names"])
+            self.assertTrue(row["bitwise"])  # the very shards tensor_parallel cuts from the loaded model
+            self.assertGreater(row["shards"], 10)
+            self.assertGreater(row["files"] - 3, 1)  # config, generation config, index + several shards
 
 
 class PipelinePlan(unittest.TestCase):

@@ -15,7 +15,7 @@ def _sharded(encoder) -> list[str]:
     return sorted({n for n, p in encoder.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()})
 
 
-def run(rank: int, world: int) -> dict:
+def run(rank: int, world: int, folder: str | None = None) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     tokens, mask = E.ids()
@@ -41,6 +41,8 @@ def run(rank: int, world: int) -> dict:
     if world == 2:  # one worker process per world size: the 2-rank one also runs the published-width layers
         out["published"] = run_published(rank, world, mesh)
         out["pipelines"] = run_pipelines(rank, world, mesh)
+    if folder is not None:
+        out["loading"] = run_loading(rank, world, mesh, folder)
     return out
 
 
@@ -75,4 +77,36 @@ def run_published(rank: int, world: int, mesh) -> dict:
                      "largest": max(p.numel() for p in encoder.parameters()),
                      "sharded": len(_sharded(encoder))}
         del encoder, expected, got
+    return out
+
+
+LOADED = ("mistral3", "qwen3_causal", "qwen25_vl", "t5")
+
+
+def save_text_encoders(folder: str) -> None:
+    """Each of `LOADED` saved as a pipeline's `text_encoder/` (transformers' layout, sharded with an index)."""
+    for name in LOADED:
+        E.ENCODERS[name][0](0).save_pretrained(f"{folder}/{name}/text_encoder", max_shard_size="100KB")
+
+
+def run_loading(rank: int, world: int, mesh, folder: str) -> dict:
+    """`load_tensor_parallel` of each saved encoder: its outputs, and its shards against `tensor_parallel`'s."""
+    out = {}
+    tokens, mask = E.ids()
+    for name in LOADED:
+        build = E.ENCODERS[name][0]
+        expected = E.outputs(build(0), tokens, mask)
+        loaded = surgery.load_tensor_parallel(None, f"{folder}/{name}", mesh, subfolder="text_encoder",
+                                              progress=False)
+        reference = surgery.tensor_parallel(build(0), mesh, src_data_rank=None)
+        ours, theirs = dict(loaded.named_parameters()), dict(reference.named_parameters())
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        out[name] = {
+            "error": max(rel_err(g, e) for g, e in zip(E.outputs(loaded, tokens, mask), expected)),
+            "same_names": sorted(ours) == sorted(theirs),
+            "bitwise": all(torch.equal(local(ours[n]), local(theirs[n])) and type(ours[n]) is type(theirs[n])
+                           for n in theirs if n in ours),
+            "shards": sum(isinstance(p, DTensor) and p.placements[0].is_shard() for p in ours.values()),
+            "files": len(__import__("os").listdir(f"{folder}/{name}/text_encoder")),
+        }
     return out
