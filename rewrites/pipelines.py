@@ -83,7 +83,6 @@ FLUX1_VAE = ("diffusers.AutoencoderKL", None,
 FLUX2_VAE = ("diffusers.AutoencoderKLFlux2", None, {})
 QWEN_VAE = ("diffusers.AutoencoderKLQwenImage", None, {})
 HUNYUAN_VIDEO_VAE = ("diffusers.AutoencoderKLHunyuanVideo", None, {})
-HUNYUAN_IMAGE_VAE = ("diffusers.AutoencoderKLHunyuanImage", None, {})
 
 _FLUX1 = {"pipeline": "FluxPipeline", "vae": FLUX1_VAE, "text_encoder": CLIP_L, "text_encoder_2": T5_XXL}
 
@@ -99,7 +98,7 @@ PIPELINES: dict[str, dict] = {
     **{name: {"pipeline": "QwenImagePipeline", "vae": QWEN_VAE, "text_encoder": QWEN25_VL_7B}
        for name in ("qwen-image", "qwen-image-edit", "qwen-image-edit-2511")},
     "longcat-image-base": {"pipeline": "LongCatImagePipeline", "vae": FLUX1_VAE, "text_encoder": QWEN25_VL_7B},
-    **{f"hunyuan-image-{v}": {"pipeline": "HunyuanImagePipeline", "vae": HUNYUAN_IMAGE_VAE,
+    **{f"hunyuan-image-{v}": {"pipeline": "HunyuanImagePipeline",
                               "text_encoder": QWEN25_VL_7B, "text_encoder_2": BYT5_SMALL}
        for v in ("2.1", "2.1-distilled")},
     **{f"hunyuan-video-{v}": {"pipeline": "HunyuanVideoPipeline", "vae": HUNYUAN_VIDEO_VAE,
@@ -113,7 +112,7 @@ SOURCES = (
     "FLUX.1, Chroma and Bria, Qwen2.5-VL-7B for QwenImage / LongCat / HunyuanImage, llava-llama-3-8b for "
     "HunyuanVideo, SmolLM3-3B for Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, "
     "not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
-    "black-forest-labs/FLUX.1-dev vae/config.json). Bria-Fibo's VAE, Ovis-Image, Motif-Video and QwenImage-2.1 "
+    "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, Motif-Video and QwenImage-2.1 "
     "(Qwen3-VL, whose transformers config ships a plan for its embedding only) are not recorded."
 )
 
