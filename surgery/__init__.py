@@ -20,12 +20,14 @@ from .saving import save_pretrained
 from .slicing import Slice
 from .state_dict import fuse_state_dict, key_map, unfuse_state_dict
 from .tensor_parallel import tensor_parallel
+from .pipeline import tensor_parallel_pipeline
 
 __all__ = [
     # user verbs
     "unfuse",
     "fuse",
     "tensor_parallel",
+    "tensor_parallel_pipeline",
     "context_parallel",
     "load_tensor_parallel",
     "convert_checkpoint",

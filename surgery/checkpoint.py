@@ -30,6 +30,7 @@ from .slicing import Slice, fused_shape, group_by_fused
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
+TRANSFORMERS_WEIGHTS, TRANSFORMERS_INDEX = "model.safetensors", "model.safetensors.index.json"  # text encoders
 DEFAULT_MAX_SHARD_SIZE = "10GB"  # diffusers' ModelMixin.save_pretrained default
 BLOCK_BYTES = 16 * 2**20  # rows read and written at a time
 
@@ -146,7 +147,14 @@ def _refuse_missing(folder: Path, variant: str | None) -> None:
 
 def weight_files(folder: Path, variant: str | None = None) -> dict[str, Path]:
     """Tensor name -> safetensors file, picked as diffusers does: the (variant's) index if present, else the
-    (variant's) canonical file. Other files are ignored."""
+    (variant's) canonical file. Other files are ignored. A transformers model's folder (a pipeline's
+    `text_encoder/`: `model.safetensors`, or sharded with `model.safetensors.index.json`) is read the same way."""
+    if variant is None and not (folder / INDEX).is_file() and not (folder / WEIGHTS).is_file():
+        if (folder / TRANSFORMERS_INDEX).is_file():
+            return _index_files(folder, folder / TRANSFORMERS_INDEX)
+        if (folder / TRANSFORMERS_WEIGHTS).is_file():
+            with _open(folder / TRANSFORMERS_WEIGHTS) as handle:
+                return {name: folder / TRANSFORMERS_WEIGHTS for name in handle.keys()}
     for index in (folder / add_variant(INDEX, variant), folder / f"{WEIGHTS}.{variant}.index.json"):
         if index.is_file():  # the second is diffusers' legacy variant index name
             return _index_files(folder, index)
@@ -179,6 +187,7 @@ class Reader:
     def __init__(self, folder: Path, variant: str | None = None):
         self.folder = folder
         self.files = weight_files(folder, variant)
+        self.stored: dict[str, str] = {}  # name -> the name stored in the file, where `rename` changed it
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
 
@@ -188,6 +197,11 @@ class Reader:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    def rename(self, names: dict[str, str]) -> None:
+        """Read stored tensor `old` as `names[old]` (a transformers checkpoint's legacy names, for one)."""
+        self.files = {names.get(name, name): file for name, file in self.files.items()}
+        self.stored = {new: old for old, new in names.items() if new != old}
+
     def _handle(self, name: str):
         file = self.files[name]
         if file not in self._handles:
@@ -195,7 +209,7 @@ class Reader:
         return self._handles[file]
 
     def info(self, name: str) -> TensorInfo:
-        piece = self._handle(name).get_slice(name)
+        piece = self._handle(name).get_slice(self.stored.get(name, name))
         return TensorInfo(piece.get_dtype(), tuple(piece.get_shape()))
 
     def metadata(self) -> dict[str, str]:
@@ -205,8 +219,8 @@ class Reader:
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         try:
-            handle = self._handle(name)
-            return handle.get_slice(name)[index] if index else handle.get_tensor(name)
+            handle, stored = self._handle(name), self.stored.get(name, name)
+            return handle.get_slice(stored)[index] if index else handle.get_tensor(stored)
         except SafetensorError as error:
             raise SurgeryError(f"'{self.files[name]}': cannot read tensor {name!r} ({error}).") from None
 
@@ -219,6 +233,9 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         config = json.loads((folder / "config.json").read_text())
     except ValueError as error:
         raise SurgeryError(f"'{folder / 'config.json'}' is not valid JSON ({error}).") from None
+    if isinstance(config, dict) and "_class_name" not in config and "model_type" in config:
+        # a transformers model (a pipeline's text encoder)
+        return _transformers_on_meta(folder, config, model_class)
     name = config.get("_class_name") if isinstance(config, dict) else None
     given = model_class is not None
     if not given:
@@ -235,6 +252,26 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         with init_empty_weights():
             return model_class.from_config(model_class.load_config(folder))
     except (TypeError, ValueError, AssertionError, ZeroDivisionError) as error:
+        raise SurgeryError(f"'{folder / 'config.json'}' does not build a {model_class.__name__}: {error}") from None
+
+
+def _transformers_on_meta(folder: Path, config: dict, model_class: type | None) -> nn.Module:
+    """A transformers model built on meta from its folder's config.json (class from `architectures`)."""
+    import transformers
+    from accelerate import init_empty_weights
+
+    if model_class is None:
+        names = config.get("architectures") or []
+        model_class = getattr(transformers, names[0], None) if names else None
+        if model_class is None:
+            raise SurgeryError(f"'{folder}/config.json' names no transformers class ({names!r}); pass model_class.")
+    try:
+        loaded = transformers.AutoConfig.from_pretrained(folder)
+        with init_empty_weights():
+            model = model_class(loaded)
+        model.tie_weights()  # as from_pretrained does: on meta the tied embeddings come out untied
+        return model
+    except (TypeError, ValueError, AttributeError) as error:
         raise SurgeryError(f"'{folder / 'config.json'}' does not build a {model_class.__name__}: {error}") from None
 
 

@@ -39,7 +39,7 @@ def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
     if registry is not None and any(name.startswith("cp_") for name in getattr(registry, "hooks", {})):
         kinds.append("diffusers context-parallel hooks (call surgery.tensor_parallel before surgery.context_parallel, "
                      "on a model without them)")
-    elif registry is not None:
+    elif registry is not None and getattr(registry, "hooks", True):  # an empty registry: left by `cache_context`
         kinds.append("diffusers hooks (offloading, layerwise casting or caching)")
     if getattr(module, "_hf_hook", None) is not None:
         kinds.append("accelerate hooks (device_map or CPU offloading)")
@@ -131,8 +131,9 @@ def check_hooks(module: nn.Module, path: str, verb: str, torch_hooks: bool = Tru
         )
 
 
-def check_linear(module: nn.Module, path: str, verb: str) -> None:
-    """A Linear whose parameters get sliced or concatenated must be a plain, unsharded, unquantized `nn.Linear`."""
+def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = False) -> None:
+    """A Linear whose parameters get sliced or concatenated must be a plain, unsharded, unquantized `nn.Linear`
+    (`embedding=True`: a plain `nn.Embedding`, which the stock styles shard too)."""
     cls = type(module)
     if hasattr(module, "base_layer") or cls.__module__.startswith("peft"):
         raise SurgeryError(
@@ -152,7 +153,7 @@ def check_linear(module: nn.Module, path: str, verb: str) -> None:
                 f"surgery.{verb}: '{path}.{name}' is already sharded (a DTensor with placements "
                 f"{tuple(param.placements)}). {fix}"
             )
-    if cls is not nn.Linear:
+    if cls is not (nn.Embedding if embedding else nn.Linear):
         what = "a quantized layer" if "quant" in f"{cls.__module__}.{cls.__name__}".lower() else "not a torch.nn.Linear"
         raise SurgeryError(
             f"surgery.{verb}: '{path}' is a {cls.__module__}.{cls.__name__}, {what}. Only plain nn.Linear layers can be "

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--image-tokens", type=_positive, default=4096, help="default 4096 (a 1024x1024 image)")
     plan.add_argument("--text-tokens", type=_positive, default=512)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--pipeline", action="store_true",
+                      help="every component of the published pipeline (transformer, text encoders, VAE): bytes per "
+                      "rank, sharded and replicated")
 
     inspect = commands.add_parser(
         "inspect",
@@ -211,6 +214,16 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
             rows = inspect.collapse_blocks(rows, "module", also=("parameter",))
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
+        return 0
+    if args.pipeline:
+        from .checks import SurgeryError
+        from .pipeline import pipeline_plan, pipeline_plan_text
+
+        if args.config is not None or args.cp > 1 or args.dp > 1:
+            raise SurgeryError("plan --pipeline takes --model (a published pipeline) and --tp only, not --config, "
+                               "--cp or --dp.")
+        result = pipeline_plan(name, args.tp, dtype=getattr(torch, args.dtype))
+        print(json.dumps(result, indent=1, default=str) if args.json else pipeline_plan_text(result))
         return 0
     result = inspect.plan(config, args.tp, family=family, dtype=getattr(torch, args.dtype),
                           image_tokens=args.image_tokens, text_tokens=args.text_tokens, cp=args.cp, dp=args.dp)

@@ -15,6 +15,7 @@ from .checks import SurgeryError
 from .rewrite import unfuse
 from .slicing import Slice
 from .state_dict import key_map
+from .transformers_plans import checkpoint_renames
 from .tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
 
 
@@ -23,13 +24,21 @@ def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
     out: dict[str, Placement] = {}
     for path, module, plan in planned:
         for key, style in plan.items():
-            placements = linear_placements(style)
+            placements = linear_placements(style, module.get_submodule(key))
             if placements is None:
                 continue
             prefix = ".".join(p for p in (path, key) if p)
             for name, _ in module.get_submodule(key).named_parameters(recurse=False):
                 out[f"{prefix}.{name}"] = placements[name][0]
     return out
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """A shared parameter's first name -> its other names (tied input and output embeddings)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group[1:] for group in names.values() if len(group) > 1}
 
 
 def _source_index(
@@ -55,6 +64,7 @@ def load_tensor_parallel(
     cache_dir: str | os.PathLike | None = None,
     variant: str | None = None,
     progress: bool = True,
+    subfolder: str | None = None,
 ) -> nn.Module:
     """Build the model on meta, unfuse it, and read only this rank's slice of each tensor from `checkpoint`.
 
@@ -71,12 +81,16 @@ def load_tensor_parallel(
     failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
     others to wait in the model's first collective, and ranks that built different models (class, config, shapes,
     dtypes) are refused.
+
+    A pipeline's text encoder loads the same way: `subfolder="text_encoder"` (or the folder itself), a transformers
+    class or None (the class in its config.json's `architectures`), its `model.safetensors` (sharded with
+    `model.safetensors.index.json` too), sharded with transformers' own plan or a registered one.
     """
     mesh = one_dim_mesh(mesh)
     return agree(
         mesh, "load_tensor_parallel",
         lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, variant=variant,
-                                      progress=progress),
+                                      progress=progress, subfolder=subfolder),
         lambda loaded: fingerprint(loaded, mesh.size(), None, weights=False),
     )
 
@@ -90,11 +104,12 @@ def _load_tensor_parallel(
     cache_dir: str | os.PathLike | None = None,
     variant: str | None = None,
     progress: bool = True,
+    subfolder: str | None = None,
 ) -> nn.Module:
     """`load_tensor_parallel` on this rank alone (no collective)."""
     from tqdm.auto import tqdm
 
-    folder = resolve_checkpoint(checkpoint, cache_dir)
+    folder = resolve_checkpoint(os.path.join(checkpoint, subfolder) if subfolder else checkpoint, cache_dir)
     if isinstance(model, nn.Module):
         on_meta = [n for n, p in model.named_parameters() if not p.is_meta]
         if on_meta:
@@ -112,10 +127,12 @@ def _load_tensor_parallel(
         device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
 
     with Reader(folder, variant) as reader:
+        reader.rename(checkpoint_renames(model, set(reader.files)))
         layout = layout_of(set(reader.files), slices)
         check_tensors(reader, expected_tensors(model, slices, layout), mixed_dtypes=dtype is not None)
         sources = {s.unfused: s for s in slices} if layout == "fused" else {}
         names = [name for name, _ in model.named_parameters()]
+        aliases = _aliases(model)
         for name in tqdm(names, desc=f"loading {folder.name} ({world} ranks)", disable=not progress or rank != 0):
             param = model.get_parameter(name)
             source = sources.get(name)
@@ -125,8 +142,10 @@ def _load_tensor_parallel(
             local = local.to(device=device, dtype=dtype or local.dtype).contiguous()
             if placement is not None:
                 local = DTensor.from_local(local, mesh, (placement,), run_check=False)
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, nn.Parameter(local, requires_grad=param.requires_grad))
+            loaded = nn.Parameter(local, requires_grad=param.requires_grad)
+            for alias in (name, *aliases.get(name, ())):  # tied weights (a text encoder's embeddings) stay tied
+                owner, _, leaf = alias.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, loaded)
 
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 from .agreement import agree, fingerprint
 from .checks import SurgeryError, check_hooks, check_linear, check_model, mesh_sizes_dividing
 from .registry import tp_plan_for, tp_plans
+from .transformers_plans import check_heads as transformers_check_heads
 from .walk import block_path, find_modules, planned_modules
 
 
@@ -36,12 +37,15 @@ def per_head_norm(head_dim: int = 2) -> SequenceParallel:
     return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
 
 
-def linear_placements(style: ParallelStyle) -> dict[str, tuple] | None:
-    """How a stock linear style places a Linear's parameters (`None` for styles that place none)."""
+def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> dict[str, tuple] | None:
+    """How a stock linear style places a Linear's parameters (`None` for styles that place none); for an
+    `nn.Embedding` (`module`), as the stock styles place its `[num_embeddings, dim]` weight: colwise shards the
+    embedding dim, rowwise the vocabulary."""
+    embedding = isinstance(module, nn.Embedding)
     if isinstance(style, ColwiseParallel):
-        return {"weight": (Shard(0),), "bias": (Shard(0),)}
+        return {"weight": (Shard(1 if embedding else 0),), "bias": (Shard(0),)}
     if isinstance(style, RowwiseParallel):
-        return {"weight": (Shard(1),), "bias": (Replicate(),)}
+        return {"weight": (Shard(0 if embedding else 1),), "bias": (Replicate(),)}
     return None
 
 
@@ -81,6 +85,7 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
         _, check = tp_plan_for(module)
+        check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
         heads = getattr(module, "heads", None)
@@ -90,12 +95,12 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
                 f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
             )
         for key, style in plan.items():
-            placements = linear_placements(style)
+            linear = module.get_submodule(key)
+            placements = linear_placements(style, linear)
             if placements is None:
                 continue
             linear_path = f"{path}.{key}" if path else key
-            linear = module.get_submodule(key)
-            check_linear(linear, linear_path, "tensor_parallel")
+            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
             check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
             dim = placements["weight"][0].dim
             size = linear.weight.shape[dim]
@@ -130,10 +135,10 @@ def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank
     where the weight is and moves just that. The stock styles then find their parameters already placed.
     """
     for key, style in plan.items():
-        placements = linear_placements(style)
+        linear = module.get_submodule(key)
+        placements = linear_placements(style, linear)
         if placements is None:
             continue
-        linear = module.get_submodule(key)
         for name, param in list(linear.named_parameters(recurse=False)):
             if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
                 continue

@@ -38,7 +38,8 @@ def find_modules(model: nn.Module, fused: bool) -> list[tuple[str, nn.Module, Re
 
 
 def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
-    """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only)."""
+    """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only), then
+    those that transformers' own plan names (`surgery.transformers_plans`), outside the registered ones."""
 
     def match(module: nn.Module) -> dict | None:
         plan, _ = tp_plan_for(module)
@@ -46,7 +47,16 @@ def planned_modules(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
             return None
         return {key: style for key, style in plan.items() if key == "" or _has_submodule(module, key)}
 
-    return outermost(model, match)
+    registered_plans = outermost(model, match)
+    covered = [path for path, _, _ in registered_plans]
+
+    def inside(path: str) -> bool:
+        return any(p == "" or path == p or path.startswith(p + ".") for p in covered)
+
+    # Modules no registered plan covers, where the model carries transformers' own plan (a text encoder).
+    from .transformers_plans import stock_plan
+
+    return registered_plans + stock_plan(model, skip=inside)
 
 
 def _has_submodule(module: nn.Module, path: str) -> bool:
