@@ -42,7 +42,36 @@ def html_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> st
 
 
 def mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
+    """Bytes in binary units, said as such: MiB (2^20) below a GiB, GiB (2^30) above. Every size `surgery` prints
+    uses these (decimal GB appear only where a tool's own option takes them, as `--max-shard-size 10GB`)."""
+    if n < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+# The plan's placements in the diagrams' words (a Linear weight's Shard(0) splits its output rows: colwise).
+_PLACEMENT_WORDS = {"whole": "replicated", "Replicate": "replicated", "Shard(0)": "colwise (rows)",
+                    "Shard(1)": "rowwise (columns)"}
+SMALL = 2**20  # replicated parameters smaller than this are summed into one row of `surgery plan`
+
+
+def layout_rows(layout: list[dict]) -> list[dict]:
+    """`surgery plan`'s table: one row per parameter kind (blocks collapsed), placements in the diagrams' words,
+    and the replicated parameters under 1 MiB each (biases, norms) summed into one row."""
+    rows, small = [], []
+    for r in summarize_layout(layout):
+        row = dict(r, placement=_PLACEMENT_WORDS.get(r["placement"], r["placement"]))
+        if row["placement"] == "replicated" and r["bytes"] < SMALL:
+            small.append(row)
+        else:
+            rows.append(dict(row, each=mb(r["bytes"]), total=mb(r["bytes"] * r["count"])))
+    if small:
+        count = sum(r["count"] for r in small)
+        total = sum(r["bytes"] * r["count"] for r in small)
+        rows.append({"parameter": f"(other replicated parameters under {mb(SMALL)}: biases, norms)", "count": count,
+                     "placement": "replicated", "global shape": "", "local shape": "", "each": "",
+                     "total": mb(total)})
+    return rows
 
 
 def plan_text(name: str, p: dict) -> str:
@@ -55,10 +84,10 @@ def plan_text(name: str, p: dict) -> str:
         f"parameters {p['parameters'] / 1e9:.2f} B = {mb(p['model_bytes'])}; per rank {mb(p['bytes_per_rank'])} = "
         f"{mb(p['replicated_bytes'])} replicated + {mb(p['sharded_bytes'])} sharded / {p['tp']}",
         "",
-        text_table(
-            [dict(r, each=mb(r["bytes"])) for r in summarize_layout(p["layout"])],
-            ["parameter", "count", "placement", "global shape", "local shape", "each"],
-        ),
+        text_table(layout_rows(p["layout"]),
+                   ["parameter", "count", "placement", "global shape", "local shape", "each", "total"]),
+        "placement: colwise = output rows split over the ranks (ColwiseParallel), rowwise = input columns split\n"
+        "(RowwiseParallel), replicated = whole on every rank; each, total: bytes per rank (MiB = 2^20, GiB = 2^30)",
         "",
         f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
         f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'})"
