@@ -92,7 +92,7 @@ class Reduction(unittest.TestCase):
         self.assertEqual(p["mlp.linear_out"].storage, "copy of to_out columns 64:224")
         self.assertNotIn("cat", [n.label for n in g.nodes])
         # q, k, v, gate, up all read the block input; the two output projections meet in one add
-        inputs = [e.dst for e in g.edges if e.src == "input:arg[0]"]
+        inputs = [e.dst for e in g.edges if e.src == "input:hidden_states"]  # named from the forward's signature
         self.assertEqual(sorted(inputs), sorted(f"module:{k}" for k in ("to_q", "to_k", "to_v", "mlp.linear_gate",
                                                                          "mlp.linear_up")))
         add = g.by_label("add")
@@ -123,8 +123,13 @@ class Reduction(unittest.TestCase):
         texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text]
         self.assertIn("fused", texts)
         self.assertIn("mlp.linear_gate", texts)
-        self.assertIn("copy of to_out columns 0:64", texts)
+        self.assertIn("copy of to_out", texts)  # wrapped: "copy of to_out" / "columns 0:64"
+        self.assertIn("columns 0:64", texts)
         self.assertIn("1×6×224", [t.strip() for t in texts])
+        # the legend names every node shape and colour drawn
+        for entry in ("attention", "activation", "norm", "collective: bytes per", "colwise: output rows",
+                      "fused: unfuse before"):
+            self.assertIn(entry, texts)
 
 
 class Forms(unittest.TestCase):
@@ -152,6 +157,16 @@ class Forms(unittest.TestCase):
         self.assertEqual(collective.bytes, (256 + 64) * 4096 * 2)
         add = rank.by_label("add")
         self.assertIn((add.id, collective.id), [(e.src, e.dst) for e in rank.edges])
+        # rank 0's share: heads 0-3 of q, rows 0:512 of the fused weight; the MLP rows have no heads
+        self.assertEqual(projections(rank)["to_k"].held, "heads 0-3 of 32; rows 0:512 of 4096")
+        self.assertEqual(projections(rank)["to_k"].storage, "from to_qkv_mlp_proj rows 4096:4608")
+        self.assertEqual(projections(rank)["mlp.linear_up"].held, "rows 0:1536 of 12288")
+        self.assertEqual(projections(rank)["mlp.linear_out"].held, "columns 0:1536 of 12288")
+        # the two rowwise outputs, and their sum, carry partial sums up to the all-reduce, and nothing else does
+        partial = {(e.src, e.dst) for e in rank.edges if e.partial}
+        self.assertEqual(partial, {("module:to_out", add.id), ("module:mlp.linear_out", add.id),
+                                   (add.id, collective.id)})
+        self.assertEqual([n.label for n in rank.nodes if n.kind == "input"], ["hidden_states"])
         # the collective's traced node is the all_reduce op itself
         fx = {n.name: n for n in rank.traced.graph.nodes}
         self.assertEqual(fx[collective.fx[0]].target._opname, "all_reduce")
@@ -166,8 +181,22 @@ class Forms(unittest.TestCase):
         self.assertEqual(rank.count("collective"), 4)  # to_out, to_add_out, ff, ff_context
         p = projections(rank)
         self.assertEqual(p["attn.add_q_proj"].sharding, "colwise")
-        self.assertEqual(p["ff.linear_gate"].storage, "view of linear_in rows 0:12288")
+        # rank 0 holds rows 0:1536 of the gate, which are the fused linear_in's rows 0:1536; no heads in an MLP
+        self.assertEqual(p["ff.linear_gate"].storage, "from linear_in rows 0:1536")
+        self.assertEqual(p["ff.linear_gate"].held, "rows 0:1536 of 12288")
+        self.assertEqual(p["ff.linear_up"].storage, "from linear_in rows 12288:13824")
         self.assertEqual(p["ff.linear_gate"].local, "1536 × 4096")
+        self.assertEqual(p["attn.add_k_proj"].held, "heads 0-3 of 32; rows 0:512 of 4096")
+        # the fused form draws the stock attention as stock (nothing shards before unfuse), not as "replicated"
+        fused = projections(self.double[0])
+        self.assertEqual(fused["attn.to_q"].sharding, "stock")
+        self.assertEqual(fused["ff.linear_out"].sharding, "stock")
+        self.assertEqual(fused["ff.linear_in"].sharding, "fused")
+        # four partial sums, each ending in its own all-reduce
+        partial = [e for e in rank.edges if e.partial]
+        ends = {e.dst for e in partial if any(n.id == e.dst and n.kind == "collective" for n in rank.nodes)}
+        self.assertEqual(len(ends), 4)
+        self.assertFalse(any(e.partial for g in self.double[:2] for e in g.edges))
 
     def test_bad_module(self):
         with self.assertRaisesRegex(surgery.SurgeryError, "has no submodule 'nope'"):
@@ -221,14 +250,31 @@ class Explorer(unittest.TestCase):
         with open(self.files["graphs"]) as f:
             rank = {n["id"]: n for n in json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]}
         by_layer = {rank[i]["namespace"]: r["value"] for i, r in placement.items()}
-        self.assertEqual(by_layer["to_q"], 0)  # colwise
-        self.assertEqual(by_layer["mlp/linear_out"], 1)  # rowwise
+        # categories, not codes that Model Explorer would sum and average
+        self.assertEqual(by_layer["to_q"], "colwise")
+        self.assertEqual(by_layer["mlp/linear_out"], "rowwise")
         self.assertEqual(len(by_layer), 7)
         size_by_layer = {rank[i]["namespace"]: r["value"] for i, r in sizes.items()}
         self.assertEqual(size_by_layer["to_q"], 512 * 4096 * 2)
         self.assertEqual(size_by_layer["norm_q"], 128 * 2)
         fused = self.overlay("placement")["fused single_transformer_blocks.0.attn"]["results"]
-        self.assertEqual(sorted(r["value"] for r in fused.values()), [3, 3])  # both fused
+        self.assertEqual(sorted(r["value"] for r in fused.values()), ["fused", "fused"])
+        self.assertTrue(self.overlay("placement")["fused single_transformer_blocks.0.attn"][
+            "hideInAggregatedStatsTable"])
+        self.assertTrue(self.overlay("bytes per rank")["rank 0 of 8 (tensor parallel)"]["hideInChildrenStatsTable"])
+
+    def test_looked_through_ops_fold_into_one_layer(self):
+        from surgery.explore import LOOKED_THROUGH
+
+        with open(self.files["graphs"]) as f:
+            rank = json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]
+        hidden = [n for n in rank if n["namespace"].split("/")[-1] == LOOKED_THROUGH]
+        self.assertGreater(len(hidden), 20)  # rotary arithmetic, casts, views
+        # every other op sits in the layer of a node the diagram draws: a projection, norm, attention, ...
+        drawn = {fx for n in self.graphs[2].nodes for fx in n.fx}
+        drawn |= {n.name for n in self.graphs[2].traced.graph.nodes if n.op == "placeholder"}
+        loose = [n["id"] for n in rank if n not in hidden and n["id"] not in drawn and n["label"] != "output"]
+        self.assertEqual(loose, [])
 
 
 def run(*args):
