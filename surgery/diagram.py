@@ -645,6 +645,7 @@ _JOIN_SYMBOL = {"add": "+", "mul": "×", "sub": "−"}
 NOTEBOOK_WIDTH_PX = 1000
 README_WIDTH_PX = 880
 _LINE = 24  # characters per label line before it wraps
+SCALE_NOTE = "surgery.diagram scale="
 
 
 def dot_available() -> bool:
@@ -719,7 +720,8 @@ def panel_dot(graph: BlockGraph, i: int = 0, title: str = ""):
     labelled with shapes, partial sums red and dashed."""
     dot = _digraph(title)
     with dot.subgraph(name=f"cluster_{i}") as c:
-        c.attr(label=f"<<b>{html.escape(graph.title)}</b>>", style="rounded", color="#999999", fontsize="13")
+        kind = f"<br/><font point-size=\"10\">{html.escape(type(graph.module).__name__)}</font>" if graph.module is not None else ""
+        c.attr(label=f"<<b>{html.escape(graph.title)}</b>{kind}>", style="rounded", color="#999999", fontsize="13")
         for node in graph.nodes:
             attrs = dict(_KIND_STYLE[node.kind])
             if node.kind == "projection":
@@ -834,7 +836,15 @@ def stack_svgs(parts: list[str], max_width_px: float | None = None, gap_px: floa
     scale = min(1.0, max_width_px / width) if max_width_px else 1.0
     return (f'<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" '
             f'width="{width * scale:.0f}px" height="{height * scale:.0f}px" viewBox="0 0 {width:.1f} {height:.1f}">\n'
-            + "\n".join(body) + "\n</svg>\n")
+            f"<!-- {SCALE_NOTE}{scale:.3f} -->\n" + "\n".join(body) + "\n</svg>\n")
+
+
+def svg_scale(text: str) -> float:
+    """The factor `stack_svgs` scaled a diagram down by to fit its page (1.0: drawn at natural size, 10 pt labels)."""
+    import re
+
+    found = re.search(re.escape(SCALE_NOTE) + r"([\d.]+)", text)
+    return float(found.group(1)) if found else 1.0
 
 
 def svg(graphs: list[BlockGraph], title: str = "", max_width_px: float | None = NOTEBOOK_WIDTH_PX,

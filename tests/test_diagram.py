@@ -19,6 +19,7 @@ from rewrites.flux2 import CONFIGS, example_inputs
 from surgery import diagram
 from surgery.cli import main
 from surgery.inspect import default_dtype
+import page_width as PW
 
 try:
     import model_explorer  # noqa: F401
@@ -339,3 +340,42 @@ class Commands(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(tmp)), sorted([
                 "block.json", "block.placement.nodedata.json", "block.bytes_per_rank.nodedata.json",
                 "block.all-reduce_bytes.nodedata.json"]))
+
+
+class PageWidth(unittest.TestCase):
+    """Every picture fits the page it is read on: each notebook's committed outputs (tests/test_notebooks.py checks
+    the freshly executed ones the same way) within ~1,000 px, the README's docs/*.svg within ~880 px, and what
+    `diagram.svg` draws now at either width, legibly (not scaled below MIN_SCALE)."""
+
+    def test_the_check_catches_a_wide_diagram(self):
+        # the README's picture before it was stacked: 2,031 x 725 pt, side by side
+        old = '<svg width="2031pt" height="725pt" viewBox="0.00 0.00 2031.00 725.00"></svg>'
+        self.assertIn("2708 px wide", PW.too_wide("svg", old, PW.README_WIDTH_PX))
+        squeezed = diagram.stack_svgs([old], max_width_px=PW.README_WIDTH_PX)
+        self.assertIn("too small to read", PW.too_wide("svg", squeezed, PW.README_WIDTH_PX))
+
+    def test_notebook_outputs_fit(self):
+        import nbformat
+
+        checked = 0
+        for path in PW.NOTEBOOKS:
+            notebook = nbformat.read(path, as_version=4)
+            for where, kind, data in PW.pictures(notebook):
+                checked += 1
+                with self.subTest(notebook=path.name, where=where):
+                    self.assertIsNone(PW.too_wide(kind, data, PW.NOTEBOOK_WIDTH_PX))
+        self.assertGreaterEqual(checked, 14)
+
+    def test_docs_svgs_fit_a_readme(self):
+        self.assertTrue(PW.DOCS_SVGS)
+        for path in PW.DOCS_SVGS:
+            with self.subTest(path.name):
+                self.assertIsNone(PW.too_wide("svg", path.read_text(), PW.README_WIDTH_PX))
+
+    @unittest.skipUnless(diagram.dot_available(), "Graphviz's dot is not installed")
+    def test_fresh_diagrams_fit_at_natural_size(self):
+        for module in (None, "transformer_blocks.0"):
+            graphs = klein9b_forms(module)[3]
+            text = diagram.svg(graphs, "klein-9B", max_width_px=None)
+            with self.subTest(module=module):
+                self.assertIsNone(PW.too_wide("svg", text, PW.README_WIDTH_PX))
