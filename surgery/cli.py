@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="also draw one block's graph, fused -> unfused (-> one rank's with --tp), with Graphviz")
     inspect.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
     inspect.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
+    inspect.add_argument("--panels", choices=["all", "fused", "unfused", "rank"], default="all",
+                         help="with --svg: draw every form one above the other (default), or only one of them")
+    inspect.add_argument("--width", type=_positive, default=1000, metavar="PX",
+                         help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
+                         "README on a repository page gets about 880)")
 
     explore = commands.add_parser(
         "explore", formatter_class=_Formatter, epilog=epilog,
@@ -196,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "inspect" and not args.svg and (args.tp or args.module):
-        parser.error("--tp and --module draw a diagram: add --svg OUT.svg")
+    if args.command == "inspect" and not args.svg and (args.tp or args.module or args.panels != "all"):
+        parser.error("--tp, --module and --panels draw a diagram: add --svg OUT.svg")
     try:
         if args.command == "inspect" and args.svg:
             return _inspect_svg(args)
@@ -286,11 +291,19 @@ def _inspect_svg(args: argparse.Namespace) -> int:
 
     name, model, inputs = _block_forms(args)
     graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
+    if args.panels != "all":
+        graphs = [g for g in graphs if g.title.startswith(args.panels)]
+        if not graphs:
+            raise SurgeryError(f"--panels {args.panels}: the diagram has no such panel"
+                               + (" (add --tp N for a rank's)" if args.panels == "rank" else ""))
     if not diagram.dot_available():
         print(diagram.text(graphs))
         raise SurgeryError(f"wrote no {args.svg}: {diagram.HOW_TO_GET_DOT}")
-    diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)")
-    print(f"wrote {args.svg}: " + "; ".join(
+    diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)",
+                      max_width_px=args.width)
+    with open(args.svg) as f:
+        width, height = diagram.svg_size_px(f.read())
+    print(f"wrote {args.svg} ({width:.0f} x {height:.0f} px): " + "; ".join(
         f"{row['graph']}: {row['nodes']} nodes" for row in diagram.summary(graphs)))
     return 0
 
