@@ -100,8 +100,11 @@ class _MarkCalls(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
-def _input_name(path: tuple) -> str:
+def _input_name(path: tuple, positional: list[str] = ()) -> str:
     where, *rest = path
+    if where == pytree.SequenceKey(0) and rest and isinstance(rest[0], pytree.SequenceKey) \
+            and rest[0].idx < len(positional):  # a positional argument: its parameter's name
+        where, rest = pytree.SequenceKey(1), [pytree.MappingKey(positional[rest[0].idx]), *rest[1:]]
     parts = []
     for key in rest:
         if isinstance(key, pytree.MappingKey):
@@ -114,29 +117,17 @@ def _input_name(path: tuple) -> str:
     return f"arg{name}" if where == pytree.SequenceKey(0) else name
 
 
-def _named_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Positional arguments moved to keywords where the forward's signature names them, so that the diagram's inputs
-    carry their parameter names (`hidden_states`, `temb`), not `arg[0]`."""
+def _positional_names(module: nn.Module) -> list[str]:
+    """The names of `module.forward`'s positional parameters, in order (`hidden_states`, `temb`, ...), so that the
+    diagram's inputs carry the names the forward gives them, not `arg[0]`; extra positionals stay `arg[i]`."""
     import inspect as pyinspect
 
     try:
-        signature = pyinspect.signature(module.forward)
-        bound = signature.bind(*args, **kwargs)
+        parameters = pyinspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
-        return args, kwargs
-    named: dict = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is pyinspect.Parameter.VAR_POSITIONAL:
-            if value:  # extra positionals cannot follow keywords: keep the call as it was
-                return args, kwargs
-        elif kind is pyinspect.Parameter.VAR_KEYWORD:
-            named.update(value)
-        elif kind is pyinspect.Parameter.POSITIONAL_ONLY:
-            return args, kwargs
-        else:
-            named[name] = value
-    return (), named
+        return []
+    kinds = (pyinspect.Parameter.POSITIONAL_ONLY, pyinspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
 
 
 def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> torch.fx.GraphModule:
@@ -147,8 +138,8 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> to
     reduced alike. Meta tensors work (nothing is allocated). Placeholders carry their argument's name in
     `meta["surgery_input"]`.
     """
-    args, kwargs = _named_arguments(module, tuple(args), dict(kwargs or {}))
-    leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    positional = _positional_names(module)
     values = [v for _, v in leaves]
     tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
 
@@ -165,7 +156,7 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> to
         traced = make_fx(run, record_module_stack=True)(*(values[i] for i in tensors))
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for node, i in zip(placeholders, tensors):
-        node.meta["surgery_input"] = _input_name(leaves[i][0])
+        node.meta["surgery_input"] = _input_name(leaves[i][0], positional)
     return traced
 
 

@@ -379,3 +379,25 @@ class PageWidth(unittest.TestCase):
             text = diagram.svg(graphs, "klein-9B", max_width_px=None)
             with self.subTest(module=module):
                 self.assertIsNone(PW.too_wide("svg", text, PW.README_WIDTH_PX))
+
+
+class OtherFamilies(unittest.TestCase):
+    """Labels that come from the graph, not from FLUX.2's names: inputs named by the forward's signature (a block
+    called positionally), and the residual edge into the output labelled with the whole value, not with the first
+    of the tuple elements split from it."""
+
+    def test_input_names_and_output_edge(self):
+        for name in ("flux1", "hunyuan-video"):
+            family = surgery.families()[name]
+            config = next(iter(family.test_configs.values()))
+            model = surgery.inspect.model_on_meta(family, config)
+            inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
+            for graph in diagram.forms(model, inputs, tp=2):
+                with self.subTest(family=name, graph=graph.title):
+                    labels = [n.label for n in graph.nodes if n.kind == "input"]
+                    self.assertIn("hidden_states", labels)
+                    self.assertIn("encoder_hidden_states", labels)
+                    self.assertFalse([label for label in labels if label.startswith("arg")])
+                    # the block returns (text, image) split from one 1 x (8 + 16) x width residual sum
+                    (edge,) = [e for e in graph.edges if e.dst == "output"]
+                    self.assertEqual(edge.shape.split("×")[:2], ["1", "24"])
