@@ -55,6 +55,12 @@ _PLACEMENT_WORDS = {"whole": "replicated", "Replicate": "replicated", "Shard(0)"
 SMALL = 2**20  # replicated parameters smaller than this are summed into one row of `surgery plan`
 
 
+def in_words(rows: Sequence[dict], key: str = "placement") -> list[dict]:
+    """Rows with their DTensor placements (`Shard(0)`, `Shard(1)`, `Replicate`, `whole`) said in the diagrams' words:
+    colwise (rows), rowwise (columns), replicated."""
+    return [dict(r, **{key: _PLACEMENT_WORDS.get(r.get(key), r.get(key))}) if key in r else dict(r) for r in rows]
+
+
 def layout_rows(layout: list[dict]) -> list[dict]:
     """`surgery plan`'s table: one row per parameter kind (blocks collapsed), placements in the diagrams' words,
     and the replicated parameters under 1 MiB each (biases, norms) summed into one row."""
