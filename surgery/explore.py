@@ -197,6 +197,8 @@ def explore(model: nn.Module, inputs: dict, module: str | None = None, tp: int |
     _model_explorer()
     graphs = forms(model, inputs, module=module, tp=tp)
     files = explorer_files(graphs, out_dir)
-    if serve:
+    if serve:  # said before the server blocks
+        print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays; serving Model Explorer on "
+              f"http://{host}:{port} (interrupt to stop)", flush=True)
         serve_files(files, host=host, port=port)
     return files
