@@ -309,6 +309,16 @@ class Commands(unittest.TestCase):
             self.assertEqual(code, 0, err)
             ET.parse(path)
         self.assertIn("rank 0 of 2 (tensor parallel): 16 nodes", out)
+        with tempfile.TemporaryDirectory() as tmp:  # the README's picture: rank 0's panel only, for an 880 px page
+            path = os.path.join(tmp, "rank.svg")
+            code, out, err = run("inspect", "--config", self.config, "--svg", path, "--tp", "2", "--panels", "rank",
+                                 "--width", "880")
+            self.assertEqual(code, 0, err)
+            with open(path) as f:
+                text = f.read()
+        self.assertEqual(out.count("nodes"), 1)
+        self.assertIsNone(PW.too_wide("svg", text, 880))
+        self.assertNotIn("unfused", text)
 
     def test_bad_arguments(self):
         code, _, err = run("inspect", "--tp", "2")
@@ -331,6 +341,21 @@ class Commands(unittest.TestCase):
             self.assertTrue(os.path.exists(files["graphs"]))
             self.assertEqual(len(files["node_data"]), 3)  # placement, bytes per rank, all-reduce bytes
             self.assertTrue(all(os.path.exists(path) for path in files["node_data"].values()))
+
+    @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
+    def test_explore_says_what_it_wrote_before_serving(self):
+        seen = {}
+
+        def serve(files, host, port):  # stands in for the server, which blocks until Ctrl-C
+            seen["printed"] = out.getvalue()
+
+        out = io.StringIO()
+        with tempfile.TemporaryDirectory() as tmp, mock.patch("surgery.explore.serve_files", serve), \
+                contextlib.redirect_stdout(out):
+            code = main(["explore", "--config", self.config, "--out", tmp, "--port", "8123"])
+        self.assertEqual(code, 0)
+        self.assertIn("3 overlays", seen["printed"])
+        self.assertIn("http://127.0.0.1:8123", seen["printed"])
 
     @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
     def test_explore_files(self):
