@@ -2,9 +2,11 @@
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 from parameterized import parameterized
 
@@ -71,7 +73,8 @@ class HelpAndNames(unittest.TestCase):
 
         for command in ("plan", "demo", "inspect", "explore"):
             out = io.StringIO()
-            with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            with mock.patch.dict(os.environ, {"COLUMNS": "80"}), contextlib.redirect_stdout(out), \
+                    self.assertRaises(SystemExit):
                 main([command, "--help"])
             text = out.getvalue()
             words = set(text.replace(",", " ").split())
