@@ -70,13 +70,12 @@ def layout_rows(layout: list[dict]) -> list[dict]:
         if row["placement"] == "replicated" and r["bytes"] < SMALL:
             small.append(row)
         else:
-            rows.append(dict(row, each=mb(r["bytes"]), total=mb(r["bytes"] * r["count"])))
+            rows.append(dict(row, **{"per rank": mb(r["bytes"] * r["count"])}))
     if small:
         count = sum(r["count"] for r in small)
         total = sum(r["bytes"] * r["count"] for r in small)
-        rows.append({"parameter": f"(other replicated parameters under {mb(SMALL)}: biases, norms)", "count": count,
-                     "placement": "replicated", "global shape": "", "local shape": "", "each": "",
-                     "total": mb(total)})
+        rows.append({"parameter": f"(replicated, under {mb(SMALL)} each)", "count": count,
+                     "placement": "replicated", "global shape": "", "local shape": "", "per rank": mb(total)})
     return rows
 
 
@@ -91,9 +90,9 @@ def plan_text(name: str, p: dict) -> str:
         f"{mb(p['replicated_bytes'])} replicated + {mb(p['sharded_bytes'])} sharded / {p['tp']}",
         "",
         text_table(layout_rows(p["layout"]),
-                   ["parameter", "count", "placement", "global shape", "local shape", "each", "total"]),
+                   ["parameter", "count", "placement", "global shape", "local shape", "per rank"]),
         "placement: colwise = output rows split over the ranks (ColwiseParallel), rowwise = input columns split\n"
-        "(RowwiseParallel), replicated = whole on every rank; each, total: bytes per rank (MiB = 2^20, GiB = 2^30)",
+        "(RowwiseParallel), replicated = whole on every rank; per rank: bytes of all `count` (MiB = 2^20, GiB = 2^30)",
         "",
         f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
         f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'})"
@@ -102,5 +101,12 @@ def plan_text(name: str, p: dict) -> str:
         *([f"  ({c['note']})"] if c.get("note") else []),
     ]
     if p["heads"]:
-        lines.append("  heads per rank: " + ", ".join(f"rank {r}: {a}-{b - 1}" for r, (a, b) in enumerate(p["heads"])))
+        line = "  heads per rank:"
+        for r, (a, b) in enumerate(p["heads"]):
+            item = f" rank {r}: {a}-{b - 1}" + ("," if r < len(p["heads"]) - 1 else "")
+            if len(line) + len(item) > 100:
+                lines.append(line)
+                line = "   "
+            line += item
+        lines.append(line)
     return "\n".join(lines)

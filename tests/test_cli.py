@@ -111,7 +111,7 @@ class Output(unittest.TestCase):
             self.assertNotIn(word, "\n".join(table[:-2]))  # the last two lines explain the words
             if word.strip() in ("MB", "GB", "Shard(0)", "Replicate"):
                 self.assertNotIn(word, out)
-        small = [line for line in table if "under 1.0 MiB" in line]
+        small = [line for line in table if "under 1.0 MiB each" in line]
         self.assertEqual(len(small), 1)
         self.assertIn("80", small[0])  # 2 x 8 double-block + 2 x 24 single-block norms + 16 added q/k norms
         self.assertFalse([line for line in table if "norm_q" in line or "norm_k" in line])
