@@ -725,11 +725,22 @@ def panel_dot(graph: BlockGraph, i: int = 0, title: str = ""):
             if node.kind == "join":
                 attrs.update(width="0.3", height="0.3", margin="0.02")
             c.node(_dot_id(i, node.id), _label(node), **attrs)
+        # Fan-outs into several projections (q, k, v, gate, up from one input) would put every box side by side:
+        # every second one goes one row lower, so that a block stays within a page's width.
+        kinds = {n.id: n.kind for n in graph.nodes}
+        lower, seen = set(), {}
         for edge in graph.edges:
-            attrs = {}
+            if kinds.get(edge.dst) == "projection":
+                seen[edge.src] = seen.get(edge.src, 0) + 1
+                if seen[edge.src] % 2 == 0:
+                    lower.add((edge.src, edge.dst))
+        side_by_side = sum(n for n in seen.values() if n >= 3)  # boxes that would share one row
+        lower = lower if side_by_side > 5 else set()
+        for edge in graph.edges:
+            attrs = {"minlen": "2"} if (edge.src, edge.dst) in lower else {}
             label = edge.shape
             if edge.partial:
-                attrs = dict(color=PARTIAL_COLOR, fontcolor=PARTIAL_COLOR, style="dashed", penwidth="1.6")
+                attrs.update(color=PARTIAL_COLOR, fontcolor=PARTIAL_COLOR, style="dashed", penwidth="1.6")
                 label = f"{edge.shape} partial"
             c.edge(_dot_id(i, edge.src), _dot_id(i, edge.dst), label=f" {label}", **attrs)
     return dot
