@@ -62,9 +62,20 @@ def setup(device_type: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device(device_type, local_rank)
 
 
+def quiet(rank: int) -> None:
+    """One progress bar per job: rank 0's (loading and denoising); the other ranks run the same steps silently."""
+    import diffusers
+    import transformers
+
+    if rank != 0:
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+
+
 def main() -> None:
     args = parse_args()
     rank, world, device = setup(args.device)
+    quiet(rank)
 
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
     from huggingface_hub import snapshot_download
@@ -84,12 +95,12 @@ def main() -> None:
 
     started = time.perf_counter()
     if args.full_load:
-        pipe = Flux2KleinPipeline.from_pretrained(folder, torch_dtype=dtype)  # on the host
+        pipe = Flux2KleinPipeline.from_pretrained(folder, dtype=dtype)  # on the host
         surgery.unfuse(pipe.transformer)
         surgery.tensor_parallel(pipe.transformer, mesh["tp"], src_data_rank=None)  # moves only shards to `device`
     else:
         transformer = surgery.load_tensor_parallel(Flux2Transformer2DModel, folder, mesh["tp"], dtype=dtype)
-        pipe = Flux2KleinPipeline.from_pretrained(folder, transformer=transformer, torch_dtype=dtype)
+        pipe = Flux2KleinPipeline.from_pretrained(folder, transformer=transformer, dtype=dtype)
     if args.cp > 1:
         surgery.context_parallel(pipe.transformer, mesh["cp"])  # after tensor_parallel: Ulysses splits local heads
     pipe.to(device)
@@ -98,6 +109,7 @@ def main() -> None:
         print(f"loaded, unfused and sharded over {world} {args.device} ranks ({layout}) in "
               f"{time.perf_counter() - started:.1f}s")
 
+    pipe.set_progress_bar_config(disable=rank != 0)  # the denoising steps: one bar, rank 0's
     generator = torch.Generator("cpu").manual_seed(args.seed)  # same noise on every rank
     started = time.perf_counter()
     image = pipe(

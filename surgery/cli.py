@@ -21,24 +21,71 @@ def _port(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help, wrapped at spaces only (model names such as `hunyuan-image-2.1` are never broken at a
+    hyphen); lines of an epilog that start with two spaces are kept as they are (the list of models)."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+    def _fill_text(self, text, width, indent):
+        import textwrap
+
+        out = []
+        for paragraph in text.split("\n"):
+            if paragraph.startswith("  "):
+                head, _, rest = paragraph.strip().partition(": ")
+                out.append(textwrap.fill(rest, width, initial_indent=f"{indent}  {head}: ",
+                                         subsequent_indent=f"{indent}      ", break_on_hyphens=False,
+                                         break_long_words=False))
+            else:
+                out.append(textwrap.fill(" ".join(paragraph.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent, break_on_hyphens=False, break_long_words=False))
+        return "\n".join(out)
+
+
+def _models_epilog() -> str:
     from .registry import model_names
 
-    names = model_names()
+    return "models (--model), by family:\n" + "\n".join(
+        f"  {family}: {', '.join(names)}" for family, names in model_names(by_family=True).items())
+
+
+def _model(text: str) -> str:
+    """`--model`'s type: a registered name (or unambiguous alias); an unknown or ambiguous one is a usage error that
+    lists the candidates."""
+    from .checks import SurgeryError
+    from .registry import resolve_model
+
+    try:
+        resolve_model(text)
+    except SurgeryError as error:
+        message = str(error)
+        if "ambiguous" not in message:
+            message = f"invalid choice: {text!r} (see the list of models in --help)"
+        raise argparse.ArgumentTypeError(message) from None
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="surgery", description="Unfuse diffusion transformers' fused projections and shard them with stock torch TP."
+        prog="surgery", description="Unfuse diffusion transformers' fused projections and shard them with stock torch TP.",
+        formatter_class=_Formatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    epilog = _models_epilog()
 
     demo = commands.add_parser(
-        "demo",
+        "demo", formatter_class=_Formatter, epilog=epilog,
         help="unfuse a seeded model (default FLUX.2-klein-4B-shaped) and shard it over CPU processes (no downloads)",
         description="Builds a published model's shape at reduced depth and head size with seeded weights, unfuses it, "
         "checks it against the fused model, then runs tensor parallelism on N CPU processes (gloo) and prints "
         "errors, collectives, per-rank memory and timings.",
     )
-    demo.add_argument("--model", choices=names, default="flux2-klein-4b", metavar="MODEL",
-                      help=f"model to take the shape of (default flux2-klein-4b; one of {', '.join(names)})")
+    demo.add_argument("--model", type=_model, default="flux2-klein-4b", metavar="MODEL",
+                      help="model to take the shape of (default flux2-klein-4b; any name listed below)")
     demo.add_argument("--tp", type=_positive, default=2, help="CPU processes to shard over (default 2)")
     demo.add_argument("--layers", type=_positive, help="double-stream blocks (family default: 2)")
     demo.add_argument("--single-layers", type=_positive, help="single-stream blocks (family default: 4)")
@@ -49,13 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
 
     plan = commands.add_parser(
-        "plan",
+        "plan", formatter_class=_Formatter, epilog=epilog,
         help="the per-rank layout, memory and collectives of a model at a TP size, on one CPU",
         description="Builds the model on the meta device, unfuses it and shards it under torch's fake process group "
         "(nothing is allocated, no accelerator needed), then prints each parameter's placement and per-rank shape, "
         "the bytes per rank, and the collectives of one forward.",
     )
-    _model_arguments(plan, names)
+    _model_arguments(plan)
     plan.add_argument("--tp", type=_positive, required=True, help="tensor-parallel size")
     plan.add_argument("--cp", type=_positive, default=1, help="context-parallel (Ulysses) size (default 1)")
     plan.add_argument("--dp", type=_positive, default=1, help="FSDP2 data-parallel size (default 1)")
@@ -68,35 +115,41 @@ def build_parser() -> argparse.ArgumentParser:
                       "rank, sharded and replicated")
 
     inspect = commands.add_parser(
-        "inspect",
+        "inspect", formatter_class=_Formatter, epilog=epilog,
         help="the rewrite table of a model: which fused rows/columns each unfused Linear takes",
         description="Builds the model on the meta device and lists what surgery.unfuse rewrites: module, class before "
         "-> after, and the rows (views) or columns (copies) of the fused weight each new parameter takes.",
     )
-    _model_arguments(inspect, names)
+    _model_arguments(inspect)
     inspect.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
     inspect.add_argument("--svg", metavar="OUT.svg",
                          help="also draw one block's graph, fused -> unfused (-> one rank's with --tp), with Graphviz")
     inspect.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
     inspect.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
+    inspect.add_argument("--panels", choices=["all", "fused", "unfused", "rank"], default="all",
+                         help="with --svg: draw every form one above the other (default), or only one of them")
+    inspect.add_argument("--width", type=_positive, default=1000, metavar="PX",
+                         help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
+                         "README on a repository page gets about 880)")
 
     explore = commands.add_parser(
-        "explore",
+        "explore", formatter_class=_Formatter, epilog=epilog,
         help="open Google's Model Explorer on one block's graphs, with the TP plan's overlays",
         description="Traces one block (fused, unfused and, with --tp, rank 0's sharded graph) on the meta device, "
         "writes Model Explorer's graph JSON and node-data overlays (placement, bytes per rank, all-reduce bytes) to "
         "--out, and serves them on --host:--port. Needs the optional extra: pip install ai-edge-model-explorer.",
     )
-    _model_arguments(explore, names)
+    _model_arguments(explore)
     explore.add_argument("--tp", type=_positive, help="add rank 0's local graph at this TP size")
     explore.add_argument("--module", help="the module to trace (default: the fused one with most slices)")
     explore.add_argument("--out", default="model_explorer", help="folder for the graph and overlay files")
-    explore.add_argument("--host", default="127.0.0.1")
-    explore.add_argument("--port", type=_port, default=8080)
+    explore.add_argument("--host", default="127.0.0.1",
+                         help="address the server listens on (default 127.0.0.1: this machine only)")
+    explore.add_argument("--port", type=_port, default=8080, help="port the server listens on (default 8080)")
     explore.add_argument("--no-serve", action="store_true", help="only write the files")
 
     convert = commands.add_parser(
-        "convert",
+        "convert", formatter_class=_Formatter,
         help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
         description="Reads SRC (a diffusers model folder, a pipeline folder or a cached repo id 'org/name') and writes "
         "DST with the same config.json and the weights in the other layout, in diffusers' sharded layout (shards of "
@@ -114,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_arguments(parser: argparse.ArgumentParser, names: list[str]) -> None:
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--model", choices=names, default="flux2-klein-9b", metavar="MODEL",
-                       help=f"default flux2-klein-9b; one of {', '.join(names)}")
+    group.add_argument("--model", type=_model, default="flux2-klein-9b", metavar="MODEL",
+                       help="default flux2-klein-9b; any name listed below")
     group.add_argument("--config", help="a diffusers transformer config.json instead (its _class_name picks the family)")
 
 
@@ -158,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "inspect" and not args.svg and (args.tp or args.module):
-        parser.error("--tp and --module draw a diagram: add --svg OUT.svg")
+    if args.command == "inspect" and not args.svg and (args.tp or args.module or args.panels != "all"):
+        parser.error("--tp, --module and --panels draw a diagram: add --svg OUT.svg")
     try:
         if args.command == "inspect" and args.svg:
             return _inspect_svg(args)
@@ -212,6 +265,10 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         rows = inspect.rewrite_table(model)
         if not args.all:
             rows = inspect.collapse_blocks(rows, "module", also=("parameter",))
+        if not rows:
+            print(f"{name}: nothing to rewrite — the {family.name} family fuses no projections (plans only: "
+                  f"tensor_parallel shards it as it is). Its per-rank layout: surgery plan --model {name} --tp N")
+            return 0
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
         return 0
@@ -254,11 +311,19 @@ def _inspect_svg(args: argparse.Namespace) -> int:
 
     name, model, inputs = _block_forms(args)
     graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
+    if args.panels != "all":
+        graphs = [g for g in graphs if g.title.startswith(args.panels)]
+        if not graphs:
+            raise SurgeryError(f"--panels {args.panels}: the diagram has no such panel"
+                               + (" (add --tp N for a rank's)" if args.panels == "rank" else ""))
     if not diagram.dot_available():
         print(diagram.text(graphs))
         raise SurgeryError(f"wrote no {args.svg}: {diagram.HOW_TO_GET_DOT}")
-    diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)")
-    print(f"wrote {args.svg}: " + "; ".join(
+    diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)",
+                      max_width_px=args.width)
+    with open(args.svg) as f:
+        width, height = diagram.svg_size_px(f.read())
+    print(f"wrote {args.svg} ({width:.0f} x {height:.0f} px): " + "; ".join(
         f"{row['graph']}: {row['nodes']} nodes" for row in diagram.summary(graphs)))
     return 0
 
@@ -267,9 +332,14 @@ def _explore(args: argparse.Namespace) -> int:
     from .explore import explore
 
     name, model, inputs = _block_forms(args)
-    files = explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=not args.no_serve,
-                    host=args.host, port=args.port)
-    print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})")
+    files = explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=False)
+    print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})",
+          flush=True)
+    if not args.no_serve:  # said before the server blocks, not after Ctrl-C
+        from .explore import serve_files
+
+        print(f"serving Model Explorer on http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
+        serve_files(files, host=args.host, port=args.port)
     return 0
 
 

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
+import warnings
 
 import torch
 
 from .registry import Family, families, resolve_model
 from .render import mb
 from .testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
+
+
+def quiet_diffusers_deprecations() -> None:
+    """Silence the deprecation warnings diffusers raises against its own code when the demo builds a model (Chroma's
+    `FluxPosEmbed` import), which the user can do nothing about; warnings about the user's own calls stay."""
+    warnings.filterwarnings("ignore", message=r".*`FluxPosEmbed` is deprecated", category=FutureWarning)
 
 
 def demo_config(model: str = "flux2-klein-4b", **overrides) -> dict:
@@ -19,12 +28,26 @@ def demo_config(model: str = "flux2-klein-4b", **overrides) -> dict:
 
 
 def _timed_forward(model, inputs: dict, repeats: int = 3) -> tuple[torch.Tensor, float]:
+    """One warm-up forward, then the median of `repeats` timed ones."""
+    times = _interleaved([model], inputs, repeats)[0]
     with torch.no_grad():
         out = model(**inputs, return_dict=False)[0]
-        started = time.perf_counter()
-        for _ in range(repeats):
+    return out, times
+
+
+def _interleaved(models: list, inputs: dict, repeats: int = 5) -> list[float]:
+    """Median forward seconds of each model, one warm-up each, then the models timed in turn (so a busy moment of
+    the machine falls on all of them alike)."""
+    times: list[list[float]] = [[] for _ in models]
+    with torch.no_grad():
+        for model in models:
             model(**inputs, return_dict=False)
-    return out, (time.perf_counter() - started) / repeats
+        for _ in range(repeats):
+            for i, model in enumerate(models):
+                started = time.perf_counter()
+                model(**inputs, return_dict=False)
+                times[i].append(time.perf_counter() - started)
+    return [statistics.median(t) for t in times]
 
 
 def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dtype_name: str,
@@ -37,6 +60,7 @@ def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dt
 
     from .inspect import local_bytes
 
+    quiet_diffusers_deprecations()
     family = families()[family_name]
     dtype = getattr(torch, dtype_name)
     fused = seeded_model(family, config, seed, dtype)
@@ -72,6 +96,7 @@ def _describe(family: Family, config: dict) -> str:
 def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_tokens: int, **overrides) -> int:
     import surgery
 
+    quiet_diffusers_deprecations()
     family, variant = resolve_model(model)
     config = demo_config(model, **overrides)
     torch_dtype = getattr(torch, dtype)
@@ -94,8 +119,10 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
         print(f"  {record.path:<36} {record.before} -> {record.after}")
 
     out, unfused_seconds = _timed_forward(unfused, inputs)
-    print(f"\nsingle device: max relative error unfused vs fused {rel_err(out, expected):.2e}; "
-          f"forward {fused_seconds * 1e3:.0f} ms fused, {unfused_seconds * 1e3:.0f} ms unfused")
+    print(f"\nsingle device (this process, {torch.get_num_threads()} threads): max relative error unfused vs fused "
+          f"{rel_err(out, expected):.2e}; forward fused {fused_seconds * 1e3:.0f} ms, unfused "
+          f"{unfused_seconds * 1e3:.0f} ms (medians of 3; unfuse works in place, so the two are timed one after "
+          "the other)")
     whole = sum(p.numel() for p in unfused.parameters()) * (torch.finfo(torch_dtype).bits // 8)
     del fused, unfused
 
@@ -105,11 +132,13 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
         counts = ", ".join(f"{n} {op}" for op, n in r["collectives"].items()) or "none"
         print(f"  rank {rank}: max relative error vs fused single device {r['error']:.2e}; collectives per forward: "
               f"{counts} ({mb(r['collective_bytes'])}); parameters {mb(r['local_bytes'])}; "
-              f"forward {r['tp_seconds'] * 1e3:.0f} ms (fused single device {r['fused_seconds'] * 1e3:.0f} ms)")
+              f"forward under TP {r['tp_seconds'] * 1e3:.0f} ms")
     sharded = results[0]["sharded_global_bytes"]
     expected_collectives = f"{family.all_reduces(config)} all-reduces" if family.all_reduces else "(not declared)"
     print(f"  expected: {expected_collectives} per forward; {mb(whole - sharded)} replicated + {mb(sharded)} "
           f"sharded / {tp} = {mb(whole - sharded + sharded // tp)} per rank")
+    print(f"  (TP forwards: medians of 3 with the {tp} ranks running at once on this machine's "
+          f"{os.cpu_count()} cores, so not comparable with the single-device times above; see benchmarks/)")
     worst = max(r["error"] for r in results)
     tolerance = 1e-5 if torch_dtype == torch.float32 else 3e-2
     print(f"\n{'OK' if worst <= tolerance else 'MISMATCH'}: worst error {worst:.2e} (tolerance {tolerance:g})")

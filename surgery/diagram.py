@@ -51,6 +51,7 @@ class Node:
     storage: str = ""  # projections: "view of W rows a:b", "copy of W columns a:b", "fused: ..."
     local: str = ""  # projections: the weight's shape on this rank ("out x in")
     bytes: int = 0  # parameter bytes this rank holds; collectives: bytes reduced
+    held: str = ""  # sharded projections: what this rank holds ("heads 0-3, rows 0:512 of 4096")
     fx: list[str] = field(default_factory=list)  # the traced graph's nodes it stands for
 
 
@@ -59,6 +60,7 @@ class Edge:
     src: str
     dst: str
     shape: str
+    partial: bool = False  # carries a partial sum (a rowwise projection's output before its all-reduce)
 
 
 @dataclass
@@ -98,8 +100,11 @@ class _MarkCalls(TorchFunctionMode):
             return func(*args, **kwargs)
 
 
-def _input_name(path: tuple) -> str:
+def _input_name(path: tuple, positional: list[str] = ()) -> str:
     where, *rest = path
+    if where == pytree.SequenceKey(0) and rest and isinstance(rest[0], pytree.SequenceKey) \
+            and rest[0].idx < len(positional):  # a positional argument: its parameter's name
+        where, rest = pytree.SequenceKey(1), [pytree.MappingKey(positional[rest[0].idx]), *rest[1:]]
     parts = []
     for key in rest:
         if isinstance(key, pytree.MappingKey):
@@ -112,6 +117,19 @@ def _input_name(path: tuple) -> str:
     return f"arg{name}" if where == pytree.SequenceKey(0) else name
 
 
+def _positional_names(module: nn.Module) -> list[str]:
+    """The names of `module.forward`'s positional parameters, in order (`hidden_states`, `temb`, ...), so that the
+    diagram's inputs carry the names the forward gives them, not `arg[0]`; extra positionals stay `arg[i]`."""
+    import inspect as pyinspect
+
+    try:
+        parameters = pyinspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (pyinspect.Parameter.POSITIONAL_ONLY, pyinspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
 def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> torch.fx.GraphModule:
     """One forward of `module` as an aten-level `torch.fx` graph, each node knowing the submodule it ran in.
 
@@ -121,6 +139,7 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> to
     `meta["surgery_input"]`.
     """
     leaves, spec = pytree.tree_flatten_with_path((tuple(args), dict(kwargs or {})))
+    positional = _positional_names(module)
     values = [v for _, v in leaves]
     tensors = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
 
@@ -137,7 +156,7 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> to
         traced = make_fx(run, record_module_stack=True)(*(values[i] for i in tensors))
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for node, i in zip(placeholders, tensors):
-        node.meta["surgery_input"] = _input_name(leaves[i][0])
+        node.meta["surgery_input"] = _input_name(leaves[i][0], positional)
     return traced
 
 
@@ -247,7 +266,10 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
     shape of the tensor that crosses them.
     """
     modules = dict(module.named_modules())
-    planned = _sharding(module)
+    # A module that still holds fused parts is the stock form: tensor_parallel refuses it until it is unfused, so its
+    # stock projections are drawn as such (not as "replicated" beside a sharded neighbour).
+    stock = bool(find_modules(module, fused=True))
+    planned = {} if stock else _sharding(module)
     slice_notes = _slices(module)
     nodes: dict[str, Node] = {}
     edges: dict[tuple[str, str], Edge] = {}
@@ -263,8 +285,14 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
     def connect(node: Node, fx_inputs: list[torch.fx.Node]) -> None:
         for arg in fx_inputs:
             src = source.get(arg.name)
-            if src and src != node.id and (src, node.id) not in edges:
-                edges[(src, node.id)] = Edge(src, node.id, _shape_text(arg.meta.get("val")))
+            if not src or src == node.id:
+                continue
+            shape = _shape_text(arg.meta.get("val"))
+            edge = edges.get((src, node.id))
+            if edge is None:
+                edges[(src, node.id)] = Edge(src, node.id, shape)
+            elif edge.shape != shape:  # parts of one value (a split tuple's elements): label the whole value
+                edge.shape = nodes[src].shape or edge.shape
 
     for fx_node in traced.graph.nodes:
         if fx_node.op == "placeholder":
@@ -309,7 +337,7 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
                 node = new(kind, path if leaf_kind else kind, key=key)
                 node.module = path
                 if leaf_kind:
-                    _describe_module(node, leaf, path, planned, slice_notes)
+                    _describe_module(node, leaf, path, planned, slice_notes, stock, modules)
         elif op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or (op in _COMBINE and _joins(fx_node, data, feeding, nodes)):
             kind = "activation" if op in _ACTIVATIONS else "norm" if op in _NORMS else "join"
             node = new(kind, op)
@@ -333,7 +361,32 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
         edges = {k: e for k, e in edges.items() if e.dst in nodes}
     used = {e.src for e in edges.values()} | {e.dst for e in edges.values()}
     kept = [n for n in nodes.values() if n.kind not in ("input", "output") or n.id in used]
+    _mark_partial(nodes, edges)
     return BlockGraph(title, kept, list(edges.values()), traced=traced, module=module)
+
+
+def _mark_partial(nodes: dict, edges: dict) -> None:
+    """Edges that carry partial sums: from a sharded rowwise projection (and on through the sums it joins) up to
+    the collective that resolves them. Found from the graph, not from names: a rowwise projection followed by no
+    collective of its own leaves a Partial, and a collective downstream resolves it."""
+    out: dict[str, list[Edge]] = {}
+    for e in edges.values():
+        out.setdefault(e.src, []).append(e)
+    frontier = [n.id for n in nodes.values() if n.kind == "projection" and n.sharding == "rowwise" and n.held]
+    seen = set()
+    while frontier:
+        current = frontier.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for e in out.get(current, []):
+            target = nodes.get(e.dst)
+            if target is None:
+                continue
+            if target.kind == "collective" or (target.kind == "join" and target.label in ("add", "sub")):
+                e.partial = True
+                if target.kind == "join":
+                    frontier.append(target.id)
 
 
 def _joins(fx_node: torch.fx.Node, data: list, feeding: list, nodes: dict) -> bool:
@@ -363,7 +416,8 @@ def _main_source(fx_node: torch.fx.Node, data: list, source: dict, nodes: dict) 
     return min(candidates, key=rank)[0]
 
 
-def _describe_module(node: Node, leaf: nn.Module, path: str, planned: dict, slice_notes: dict) -> None:
+def _describe_module(node: Node, leaf: nn.Module, path: str, planned: dict, slice_notes: dict, stock: bool = False,
+                     modules: dict | None = None) -> None:
     weight = getattr(leaf, "weight", None)
     local = _local_weight(leaf)
     node.parameter = _join(path, "weight") if local is not None else ""
@@ -374,8 +428,75 @@ def _describe_module(node: Node, leaf: nn.Module, path: str, planned: dict, slic
     node.storage = slice_notes.get(node.parameter, "")
     node.sharding = (
         "fused" if node.storage.startswith("fused")
+        else "stock" if stock
         else _placement_sharding(weight) or planned.get(path, "replicated")
     )
+    if isinstance(weight, DTensor) and node.sharding in ("colwise", "rowwise"):
+        head_dim, inner = _head_dim(path, modules or {})
+        heads = head_dim if node.sharding == "colwise" and weight.shape[0] == inner else None
+        node.held = _held(weight, local, heads)
+        node.storage = _rank_storage(node.storage, weight, local)
+
+
+def _shard_range(weight: DTensor, local: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(dim, start, stop, global size) of this rank's shard of `weight` (even shards, as the stock styles make)."""
+    for mesh_dim, placement in enumerate(weight.placements):
+        if placement.is_shard():
+            dim = placement.dim % weight.ndim
+            coordinate = weight.device_mesh.get_coordinate()
+            index = coordinate[mesh_dim] if coordinate else 0
+            size = local.shape[dim]
+            return dim, index * size, (index + 1) * size, weight.shape[dim]
+    return None
+
+
+def _head_dim(path: str, modules: dict) -> tuple[int | None, int | None]:
+    """(head size, heads x head size) of the attention a projection belongs to, from the nearest enclosing module
+    that has `heads` (global: unfused modules keep the global sizes) and `head_dim` or `inner_dim`. A projection
+    whose output is that wide is a q/k/v; others (an MLP's) are not split by heads."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        owner = modules.get(".".join(parts[:i]))
+        heads = getattr(owner, "heads", None)
+        if not isinstance(heads, int) or heads <= 0:
+            continue
+        head_dim, inner = getattr(owner, "head_dim", None), getattr(owner, "inner_dim", None)
+        if isinstance(head_dim, int) and head_dim > 0:
+            return head_dim, heads * head_dim
+        if isinstance(inner, int) and inner % heads == 0:
+            return inner // heads, inner
+    return None, None
+
+
+def _held(weight: DTensor, local: torch.Tensor, head_dim: int | None) -> str:
+    """What this rank holds of a sharded projection: its rows (colwise) or columns (rowwise), and for the q/k/v of an
+    attention its heads."""
+    found = _shard_range(weight, local)
+    if found is None:
+        return ""
+    dim, start, stop, size = found
+    axis = "rows" if dim == 0 else "columns"
+    text = f"{axis} {start}:{stop} of {size}"
+    if head_dim and dim == 0 and start % head_dim == 0 and stop % head_dim == 0:
+        first, last = start // head_dim, stop // head_dim - 1
+        heads = f"head {first}" if first == last else f"heads {first}-{last}"
+        text = f"{heads} of {size // head_dim}; {text}"
+    return text
+
+
+def _rank_storage(storage: str, weight: DTensor, local: torch.Tensor) -> str:
+    """'view of W rows a:b' of the unsharded module, narrowed to the part this rank holds: 'from W rows a+s:a+t'."""
+    import re
+
+    match = re.fullmatch(r"(view|copy) of (\S+) (rows|columns) (\d+):(\d+)", storage)
+    found = _shard_range(weight, local)
+    if not match or found is None:
+        return storage
+    _, fused, axis, start, _ = match.groups()
+    dim, lo, hi, _ = found
+    if (axis == "rows") != (dim == 0):  # sliced along one dim, sharded along the other: the whole slice's range
+        return f"from {fused} {axis} {start}:{match.group(5)}"
+    return f"from {fused} {axis} {int(start) + lo}:{int(start) + hi}"
 
 
 def block_graph(module: nn.Module, args: tuple = (), kwargs: dict | None = None, title: str = "") -> BlockGraph:
@@ -490,7 +611,16 @@ def forms(model: nn.Module, inputs: dict, module: str | None = None, tp: int | N
 
 # --- rendering -------------------------------------------------------------------------------------------------------
 
-SHARDING_COLORS = {"colwise": "#9fc5e8", "rowwise": "#f9cb9c", "replicated": "#d9d9d9", "fused": "#d5a6bd"}
+SHARDING_COLORS = {"colwise": "#9fc5e8", "rowwise": "#f9cb9c", "replicated": "#d9d9d9", "fused": "#d5a6bd",
+                   "stock": "#ffffff"}
+SHARDING_MEANING = {
+    "colwise": "colwise: output rows split",
+    "rowwise": "rowwise: input columns split",
+    "replicated": "replicated: whole on every rank",
+    "fused": "fused: unfuse before sharding",
+    "stock": "stock layer (not sharded before unfuse)",
+}
+PARTIAL_COLOR = "#cc0000"
 _KIND_STYLE = {
     "input": dict(shape="box", style="rounded,dashed", color="#666666", fontcolor="#333333"),
     "output": dict(shape="box", style="rounded,dashed", color="#666666", fontcolor="#333333"),
@@ -502,6 +632,11 @@ _KIND_STYLE = {
     "collective": dict(shape="octagon", style="filled,bold", fillcolor="#cc0000", fontcolor="#ffffff"),
 }
 _JOIN_SYMBOL = {"add": "+", "mul": "×", "sub": "−"}
+# Widths a page gives a picture, in CSS px (1 pt = 4/3 px): a notebook cell, and a repository page's README.
+NOTEBOOK_WIDTH_PX = 1000
+README_WIDTH_PX = 880
+_LINE = 24  # characters per label line before it wraps
+SCALE_NOTE = "surgery.diagram scale="
 
 
 def dot_available() -> bool:
@@ -513,19 +648,46 @@ def dot_available() -> bool:
     return shutil.which("dot") is not None
 
 
+def _wrap(text: str, width: int = _LINE) -> list[str]:
+    """Break a label line at spaces (and at "; ") so that no box grows wider than about `width` characters."""
+    lines = []
+    for part in text.split("; "):
+        current = ""
+        for word in part.split(" "):
+            if current and len(current) + 1 + len(word) > width:
+                lines.append(current)
+                current = word
+            else:
+                current = f"{current} {word}" if current else word
+        if current:
+            lines.append(current)
+    return lines or [text]
+
+
+def _lines(*texts: str, italic: bool = False) -> list[str]:
+    out = []
+    for t in texts:
+        for line in _wrap(t):
+            out.append(f"<i>{html.escape(line)}</i>" if italic else html.escape(line))
+    return out
+
+
 def _label(node: Node) -> str:
-    """An HTML-like Graphviz label: name in bold, then what the node is."""
-    lines = [f"<b>{html.escape(node.label)}</b>"]
+    """An HTML-like Graphviz label: name in bold, then what the node is, wrapped to a narrow box."""
+    lines = [f"<b>{line}</b>" for line in _lines(node.label)]
     if node.kind == "projection":
-        lines.append(f"{html.escape(node.sharding)} · {html.escape(node.local)}")
+        lines += _lines(f"{node.sharding} · {node.local}")
+        if node.held:
+            lines += _lines(node.held)
         if node.storage:
-            lines.append(f"<i>{html.escape(node.storage)}</i>")
+            lines += _lines(node.storage.replace(" rows ", "; rows ").replace(" columns ", "; columns "),
+                            italic=True)
     elif node.kind == "collective":
-        lines.append(f"{node.shape} · {node.bytes / 2**20:.1f} MiB")
+        lines += _lines(node.shape, f"{node.bytes / 2**20:,.1f} MiB per rank")
     elif node.kind == "join":
-        lines[0] = f"<b>{html.escape(_JOIN_SYMBOL.get(node.label, node.label))}</b>"
+        lines = [f"<b>{html.escape(_JOIN_SYMBOL.get(node.label, node.label))}</b>"]
     elif node.kind in ("input", "output"):
-        lines.append(html.escape(node.shape))
+        lines += _lines(node.shape)
     return "<" + "<br/>".join(lines) + ">"
 
 
@@ -533,55 +695,177 @@ def _dot_id(graph: int, node: str) -> str:
     return f"g{graph}_" + "".join(ch if ch.isalnum() else "_" for ch in node)
 
 
-def to_dot(graphs: list[BlockGraph], title: str = "") -> "Any":
-    """A `graphviz.Digraph` with one cluster per graph, side by side, and a legend."""
+def _digraph(title: str = ""):
     import graphviz
 
-    dot = graphviz.Digraph(graph_attr=dict(rankdir="TB", newrank="true", nodesep="0.25", ranksep="0.35",
-                                           fontname="Helvetica", fontsize="14", label=title, labelloc="t"),
-                           node_attr=dict(fontname="Helvetica", fontsize="10", margin="0.08,0.03"),
-                           edge_attr=dict(fontname="Helvetica", fontsize="8", color="#555555", fontcolor="#555555",
-                                          arrowsize="0.6"))
-    for i, graph in enumerate(graphs):
-        with dot.subgraph(name=f"cluster_{i}") as c:
-            c.attr(label=f"<<b>{html.escape(graph.title)}</b>>", style="rounded", color="#999999", fontsize="13")
-            for node in graph.nodes:
-                attrs = dict(_KIND_STYLE[node.kind])
-                if node.kind == "projection":
-                    attrs["fillcolor"] = SHARDING_COLORS.get(node.sharding, "#ffffff")
-                    if node.storage.startswith("copy"):
-                        attrs["style"] = "filled,dashed"
-                        attrs["penwidth"] = "2"
-                    elif node.storage.startswith("fused"):
-                        attrs["penwidth"] = "2"
-                if node.kind == "join":
-                    attrs.update(width="0.3", height="0.3", margin="0.02")
-                c.node(_dot_id(i, node.id), _label(node), **attrs)
-            for edge in graph.edges:
-                c.edge(_dot_id(i, edge.src), _dot_id(i, edge.dst), label=f" {edge.shape}")
+    return graphviz.Digraph(graph_attr=dict(rankdir="TB", newrank="true", nodesep="0.18", ranksep="0.3",
+                                            fontname="Helvetica", fontsize="14", label=title, labelloc="t",
+                                            pad="0.05"),
+                            node_attr=dict(fontname="Helvetica", fontsize="10", margin="0.06,0.03"),
+                            edge_attr=dict(fontname="Helvetica", fontsize="9", color="#555555", fontcolor="#555555",
+                                           arrowsize="0.6"))
+
+
+def panel_dot(graph: BlockGraph, i: int = 0, title: str = ""):
+    """One graph as a `graphviz.Digraph`: nodes by kind, projections coloured by what they are in this graph, edges
+    labelled with shapes, partial sums red and dashed."""
+    dot = _digraph(title)
+    with dot.subgraph(name=f"cluster_{i}") as c:
+        kind = f"<br/><font point-size=\"10\">{html.escape(type(graph.module).__name__)}</font>" if graph.module is not None else ""
+        c.attr(label=f"<<b>{html.escape(graph.title)}</b>{kind}>", style="rounded", color="#999999", fontsize="13")
+        for node in graph.nodes:
+            attrs = dict(_KIND_STYLE[node.kind])
+            if node.kind == "projection":
+                attrs["fillcolor"] = SHARDING_COLORS.get(node.sharding, "#ffffff")
+                if node.storage.startswith("copy"):
+                    attrs["style"] = "filled,dashed"
+                    attrs["penwidth"] = "2"
+                elif node.storage.startswith("fused"):
+                    attrs["penwidth"] = "2"
+            if node.kind == "join":
+                attrs.update(width="0.3", height="0.3", margin="0.02")
+            c.node(_dot_id(i, node.id), _label(node), **attrs)
+        # Fan-outs into several projections (q, k, v, gate, up from one input) would put every box side by side:
+        # every second one goes one row lower, so that a block stays within a page's width.
+        kinds = {n.id: n.kind for n in graph.nodes}
+        lower, seen = set(), {}
+        for edge in graph.edges:
+            if kinds.get(edge.dst) == "projection":
+                seen[edge.src] = seen.get(edge.src, 0) + 1
+                if seen[edge.src] % 2 == 0:
+                    lower.add((edge.src, edge.dst))
+        side_by_side = sum(n for n in seen.values() if n >= 3)  # boxes that would share one row
+        lower = {(src, dst) for src, dst in lower if seen[src] >= 3} if side_by_side >= 5 else set()
+        for edge in graph.edges:
+            attrs = {"minlen": "2"} if (edge.src, edge.dst) in lower else {}
+            label = edge.shape
+            if edge.partial:
+                attrs.update(color=PARTIAL_COLOR, fontcolor=PARTIAL_COLOR, style="dashed", penwidth="1.6")
+                label = f"{edge.shape} partial"
+            c.edge(_dot_id(i, edge.src), _dot_id(i, edge.dst), label=f" {label}", **attrs)
+    return dot
+
+
+def legend_dot(graphs: list[BlockGraph] | None = None):
+    """The legend: what every colour, border, shape and edge style means (rows of at most four entries)."""
+    dot = _digraph()
+    dot.attr(ranksep="0.12", nodesep="0.15")
+    used = {n.sharding for g in graphs or [] for n in g.nodes if n.kind == "projection"}
+    colours = [k for k in SHARDING_COLORS if not graphs or k in used]
+    box = dict(shape="box", style="filled")
+    entries = [(f"legend_{k}", SHARDING_MEANING[k], dict(box, fillcolor=SHARDING_COLORS[k])) for k in colours]
+    entries += [
+        ("legend_view", "view of the fused weight: solid border", dict(shape="box")),
+        ("legend_copy", "copy of fused columns: dashed border", dict(shape="box", style="dashed", penwidth="2")),
+        ("legend_norm", "norm", _KIND_STYLE["norm"]),
+        ("legend_io", "block input / output", _KIND_STYLE["input"]),
+        ("legend_attention", "attention", _KIND_STYLE["attention"]),
+        ("legend_activation", "activation", _KIND_STYLE["activation"]),
+        ("legend_join", "+ sum, × product, cat / split", _KIND_STYLE["join"]),
+        ("legend_collective", "collective: bytes per rank", _KIND_STYLE["collective"]),
+        ("legend_partial", "partial sum (red dashed edge) until the collective", dict(shape="plaintext",
+                                                                                       fontcolor=PARTIAL_COLOR)),
+    ]
+    rows = [entries[i:i + 4] for i in range(0, len(entries), 4)]
     with dot.subgraph(name="cluster_legend") as legend:
-        legend.attr(label="<<b>projections</b>>", style="rounded", color="#bbbbbb", fontsize="11")
-        for name, color in SHARDING_COLORS.items():
-            text = {"fused": "fused (no stock plan)"}.get(name, name)
-            legend.node(f"legend_{name}", text, shape="box", style="filled", fillcolor=color, fontsize="9")
-        legend.node("legend_view", "view: solid border", shape="box", fontsize="9")
-        legend.node("legend_copy", "copy: dashed border", shape="box", style="dashed", penwidth="2", fontsize="9")
-        names = [f"legend_{n}" for n in SHARDING_COLORS] + ["legend_view", "legend_copy"]
-        for a, b in zip(names, names[1:]):
+        legend.attr(label="<<b>legend</b>>", style="rounded", color="#bbbbbb", fontsize="11")
+        for row in rows:
+            with legend.subgraph() as r:
+                r.attr(rank="same")
+                names = []
+                for name, text, attrs in row:
+                    if name == "legend_partial":  # a red dashed arrow before its text
+                        r.node("legend_p0", "", shape="point", width="0.02", color=PARTIAL_COLOR)
+                        names.append("legend_p0")
+                    r.node(name, "<" + "<br/>".join(_lines(text)) + ">", **dict(attrs, fontsize="9"))
+                    names.append(name)
+                for a, b in zip(names, names[1:]):
+                    if b == "legend_partial":
+                        r.edge(a, b, color=PARTIAL_COLOR, style="dashed", penwidth="1.6", minlen="2")
+                    else:
+                        r.edge(a, b, style="invis")
+        firsts = [row[0][0] for row in rows]
+        for a, b in zip(firsts, firsts[1:]):
             legend.edge(a, b, style="invis")
     return dot
 
 
-def svg(graphs: list[BlockGraph], title: str = "") -> str:
-    """The diagram as SVG text (needs `dot`; see `dot_available`)."""
+def _pipe_svg(dot) -> str:
+    return dot.pipe(format="svg").decode()
+
+
+def svg_size_px(text: str) -> tuple[float, float]:
+    """(width, height) an SVG is displayed at, in CSS px: its `width`/`height` attributes (pt -> 4/3 px), else its
+    viewBox."""
+    import re
+
+    head = re.search(r"<svg\b[^>]*>", text, re.S)
+    if head is None:
+        raise ValueError("not an SVG document")
+    tag = head.group(0)
+    units = {"pt": 4 / 3, "px": 1.0, "": 1.0, "in": 96.0, "cm": 96 / 2.54, "mm": 96 / 25.4, "pc": 16.0}
+
+    def length(name):
+        m = re.search(rf'\b{name}="([\d.]+)\s*(pt|px|in|cm|mm|pc|)"', tag)
+        return float(m.group(1)) * units[m.group(2)] if m else None
+
+    width, height = length("width"), length("height")
+    if width is None or height is None:
+        box = re.search(r'viewBox="[\d.\-]+[ ,]+[\d.\-]+[ ,]+([\d.]+)[ ,]+([\d.]+)"', tag)
+        if box is None:
+            raise ValueError("an SVG without width/height or viewBox")
+        width, height = width or float(box.group(1)), height or float(box.group(2))
+    return width, height
+
+
+def stack_svgs(parts: list[str], max_width_px: float | None = None, gap_px: float = 8) -> str:
+    """SVG documents stacked top to bottom in one SVG (each kept whole as a nested `<svg>`), scaled down as a whole
+    when wider than `max_width_px`."""
+    import re
+
+    sizes = [svg_size_px(p) for p in parts]
+    width = max(w for w, _ in sizes)
+    height = sum(h for _, h in sizes) + gap_px * (len(parts) - 1)
+    body, y = [], 0.0
+    for i, (part, (w, h)) in enumerate(zip(parts, sizes)):
+        inner = part[part.index("<svg"):]
+        inner = re.sub(r"<svg\b", f'<svg x="{(width - w) / 2:.1f}" y="{y:.1f}"', inner, count=1)
+        inner = re.sub(r'\b(width|height)="[\d.]+pt"', lambda m: f'{m.group(1)}="'
+                       + (f"{w:.1f}" if m.group(1) == "width" else f"{h:.1f}") + '"', inner, count=2)
+        inner = re.sub(r'id="([^"]+)"', rf'id="p{i}_\1"', inner)
+        body.append(inner)
+        y += h + gap_px
+    scale = min(1.0, max_width_px / width) if max_width_px else 1.0
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" xmlns:xlink="http://www.w3.org/1999/xlink" '
+            f'width="{width * scale:.0f}px" height="{height * scale:.0f}px" viewBox="0 0 {width:.1f} {height:.1f}">\n'
+            f"<!-- {SCALE_NOTE}{scale:.3f} -->\n" + "\n".join(body) + "\n</svg>\n")
+
+
+def svg_scale(text: str) -> float:
+    """The factor `stack_svgs` scaled a diagram down by to fit its page (1.0: drawn at natural size, 10 pt labels)."""
+    import re
+
+    found = re.search(re.escape(SCALE_NOTE) + r"([\d.]+)", text)
+    return float(found.group(1)) if found else 1.0
+
+
+def svg(graphs: list[BlockGraph], title: str = "", max_width_px: float | None = NOTEBOOK_WIDTH_PX,
+        legend: bool = True) -> str:
+    """The diagram as SVG text (needs `dot`; see `dot_available`): the graphs stacked top to bottom, then the
+    legend, scaled down only if still wider than `max_width_px` (a notebook cell's width by default; pass
+    `README_WIDTH_PX` for a repository page, None for natural size)."""
     if not dot_available():
         raise SurgeryError(f"surgery.diagram: cannot draw without Graphviz. {HOW_TO_GET_DOT}")
-    return to_dot(graphs, title).pipe(format="svg").decode()
+    parts = [_pipe_svg(panel_dot(g, i, title if i == 0 else "")) for i, g in enumerate(graphs)]
+    if legend:
+        parts.append(_pipe_svg(legend_dot(graphs)))
+    return stack_svgs(parts, max_width_px)
 
 
-def write_svg(graphs: list[BlockGraph], path: str | os.PathLike, title: str = "") -> str:
+def write_svg(graphs: list[BlockGraph], path: str | os.PathLike, title: str = "",
+              max_width_px: float | None = NOTEBOOK_WIDTH_PX) -> str:
     """Write the SVG atomically (a temporary sibling, then rename); returns the path."""
-    text = svg(graphs, title)
+    text = svg(graphs, title, max_width_px)
     path = os.fspath(path)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -600,7 +884,7 @@ def rows(graph: BlockGraph) -> list[dict]:
     for e in graph.edges:
         inputs.setdefault(e.dst, []).append(e.src)
     return [{"node": n.id, "kind": n.kind, "label": n.label, "shape": n.shape, "sharding": n.sharding,
-             "storage": n.storage, "inputs": ", ".join(inputs.get(n.id, []))} for n in graph.nodes]
+             "storage": n.storage, "held": n.held, "inputs": ", ".join(inputs.get(n.id, []))} for n in graph.nodes]
 
 
 def text(graphs: list[BlockGraph]) -> str:

@@ -21,6 +21,7 @@ from .diagram import BlockGraph, forms
 
 INSTALL = "Model Explorer is an optional extra: pip install ai-edge-model-explorer (or pip install -e \".[explore]\")."
 OVERLAYS = ("placement", "bytes per rank", "all-reduce bytes")
+LOOKED_THROUGH = "rotary_casts_views"  # the layer that holds the ops the diagrams do not draw
 
 
 def _model_explorer():
@@ -69,6 +70,10 @@ def explorer_graph(graph: BlockGraph):
         custom = fx_node.meta.get("custom") or {}
         if "surgery_call" in custom:
             namespace = "/".join(p for p in (namespace, custom["surgery_call"]) if p)
+        elif fx_node.op == "call_function" and fx_node.name not in members:
+            # What the SVG looks through (rotary-embedding arithmetic, casts, views, modulation) folds into one
+            # collapsed layer per module, so the projections, attention and collectives stay in view.
+            namespace = "/".join(p for p in (namespace, LOOKED_THROUGH) if p)
         label = fx_node.meta.get("surgery_input", fx_node.name) if fx_node.op == "placeholder" else (
             "output" if fx_node.op == "output" else getattr(fx_node.target, "__name__", str(fx_node.target)))
         node = gb.GraphNode(id=fx_node.name, label=str(label).split(".")[0], namespace=namespace)
@@ -99,13 +104,18 @@ def _output_node(graph: BlockGraph, node) -> str:
 def overlays(graphs: list[BlockGraph]) -> dict[str, Any]:
     """Overlay name -> `node_data_builder.ModelNodeData` keyed by graph id, then by traced node name.
 
-    - placement: each projection's sharding (colwise / rowwise / replicated / fused), on its output node;
+    - placement: each projection's sharding (colwise / rowwise / replicated / fused / stock), on its output node,
+      as a label (a category: Model Explorer counts labels in a layer instead of summing or averaging codes);
     - bytes per rank: each projection's and norm's parameter bytes on this rank, on its output node;
     - all-reduce bytes: each collective's bytes, on the collective's node.
+
+    Bytes are summed in the aggregated stats (min, max, sum); the children table's "Sum %" column, which would show
+    bytes as percentages, is hidden.
     """
+    from .diagram import SHARDING_COLORS
+
     ndb = _model_explorer().node_data_builder
-    colors = {"colwise": "#9fc5e8", "rowwise": "#f9cb9c", "replicated": "#d9d9d9", "fused": "#d5a6bd"}
-    codes = {name: i for i, name in enumerate(colors)}
+    colors = dict(SHARDING_COLORS)
     data: dict[str, dict] = {name: {} for name in OVERLAYS}
     for graph in graphs:
         placement, sizes, reduced = {}, {}, {}
@@ -114,18 +124,21 @@ def overlays(graphs: list[BlockGraph]) -> dict[str, Any]:
             if anchor is None:
                 continue
             if node.kind == "projection":
-                placement[anchor] = ndb.NodeDataResult(value=codes[node.sharding], bgColor=colors[node.sharding])
+                placement[anchor] = ndb.NodeDataResult(value=node.sharding, bgColor=colors[node.sharding])
             if node.kind in ("projection", "norm") and node.bytes:
                 sizes[anchor] = ndb.NodeDataResult(value=node.bytes)
             if node.kind == "collective":
                 reduced[anchor] = ndb.NodeDataResult(value=node.bytes, bgColor="#cc0000", textColor="#ffffff")
         gid = _graph_id(graph)
         data["placement"][gid] = ndb.GraphNodeData(
-            results=placement, name="placement (0 colwise, 1 rowwise, 2 replicated, 3 fused)")
+            results=placement, name="placement", hideInAggregatedStatsTable=True,
+            showExpandedSummaryOnGroupNode=True, showLabelCountColumnsInChildrenStatsTable=True)
         data["bytes per rank"][gid] = ndb.GraphNodeData(
-            results=sizes, name="parameter bytes per rank",
+            results=sizes, name="parameter bytes per rank", hideInChildrenStatsTable=True, hideAggregatedStats=["avg"],
             gradient=[ndb.GradientItem(stop=0, bgColor="#ffffff"), ndb.GradientItem(stop=1, bgColor="#e69138")])
-        data["all-reduce bytes"][gid] = ndb.GraphNodeData(results=reduced, name="bytes all-reduced")
+        data["all-reduce bytes"][gid] = ndb.GraphNodeData(
+            results=reduced, name="bytes all-reduced per rank", hideInChildrenStatsTable=True,
+            hideAggregatedStats=["avg"])
     return {name: ndb.ModelNodeData(graphsData=by_graph) for name, by_graph in data.items()}
 
 
@@ -184,6 +197,8 @@ def explore(model: nn.Module, inputs: dict, module: str | None = None, tp: int |
     _model_explorer()
     graphs = forms(model, inputs, module=module, tp=tp)
     files = explorer_files(graphs, out_dir)
-    if serve:
+    if serve:  # said before the server blocks
+        print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays; serving Model Explorer on "
+              f"http://{host}:{port} (interrupt to stop)", flush=True)
         serve_files(files, host=host, port=port)
     return files

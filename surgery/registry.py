@@ -104,7 +104,11 @@ class Family:
     def model_name(self, variant: str | None = None) -> str:
         """The `--model` name of a variant: `<family>-<variant>`, or the family's name alone where they are equal."""
         variant = variant or self.default_variant
-        return self.name if variant == self.name else f"{self.name}-{variant}"
+        # A variant named like the family (`qwen-image`) or like its last word (`bria-fibo`'s `fibo`) is the family's
+        # name alone, not `bria-fibo-fibo`.
+        if variant == self.name or self.name.endswith(f"-{variant}"):
+            return self.name
+        return f"{self.name}-{variant}"
 
     def model_names(self) -> list[str]:
         """The `--model` names of this family's variants."""
@@ -228,13 +232,22 @@ def family_of(model: nn.Module | type) -> Family:
     )
 
 
-def model_names() -> list[str]:
-    """Every name `--model` accepts: each family alone (its default variant), `<family>-<variant>`, and aliases."""
-    names = []
+def _ambiguous(family: Family, alias: str) -> list[str]:
+    """The `--model` names an alias could mean: more than one where another family has a variant of that name
+    (`dev`: flux1-dev or flux2-dev); empty where the alias is unambiguous."""
+    meant = [f.model_name(alias) for f in families().values() if f is not family and alias in f.variants]
+    return [family.model_name(family.aliases[alias]), *meant] if meant else []
+
+
+def model_names(by_family: bool = False) -> list[str] | dict[str, list[str]]:
+    """Every name `--model` accepts: each family alone (its default variant), `<family>-<variant>`, and the
+    unambiguous aliases (`klein-9b`); with `by_family`, the same names grouped by family."""
+    grouped = {}
     for family in families().values():
         if family.variants:
-            names += list(dict.fromkeys([family.name, *family.model_names(), *family.aliases]))
-    return names
+            aliases = [a for a in family.aliases if not _ambiguous(family, a)]
+            grouped[family.name] = list(dict.fromkeys([family.name, *family.model_names(), *aliases]))
+    return grouped if by_family else [n for names in grouped.values() for n in names]
 
 
 def resolve_model(name: str) -> tuple[Family, str]:
@@ -244,6 +257,9 @@ def resolve_model(name: str) -> tuple[Family, str]:
         if not family.variants:
             continue
         if name in family.aliases:
+            candidates = _ambiguous(family, name)
+            if candidates:
+                raise SurgeryError(f"model {name!r} is ambiguous: say {' or '.join(candidates)}.")
             return family, family.aliases[name]
         if name == family.name:
             return family, family.default_variant or next(iter(family.variants))

@@ -42,7 +42,41 @@ def html_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -> st
 
 
 def mb(n: int) -> str:
-    return f"{n / 2**20:,.1f} MB" if n < 2**30 else f"{n / 2**30:,.2f} GB"
+    """Bytes in binary units, said as such: MiB (2^20) below a GiB, GiB (2^30) above. Every size `surgery` prints
+    uses these (decimal GB appear only where a tool's own option takes them, as `--max-shard-size 10GB`)."""
+    if n < 2**20:
+        return f"{n / 2**10:,.1f} KiB"
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+# The plan's placements in the diagrams' words (a Linear weight's Shard(0) splits its output rows: colwise).
+_PLACEMENT_WORDS = {"whole": "replicated", "Replicate": "replicated", "Shard(0)": "colwise (rows)",
+                    "Shard(1)": "rowwise (columns)"}
+SMALL = 2**20  # replicated parameters smaller than this are summed into one row of `surgery plan`
+
+
+def in_words(rows: Sequence[dict], key: str = "placement") -> list[dict]:
+    """Rows with their DTensor placements (`Shard(0)`, `Shard(1)`, `Replicate`, `whole`) said in the diagrams' words:
+    colwise (rows), rowwise (columns), replicated."""
+    return [dict(r, **{key: _PLACEMENT_WORDS.get(r.get(key), r.get(key))}) if key in r else dict(r) for r in rows]
+
+
+def layout_rows(layout: list[dict]) -> list[dict]:
+    """`surgery plan`'s table: one row per parameter kind (blocks collapsed), placements in the diagrams' words,
+    and the replicated parameters under 1 MiB each (biases, norms) summed into one row."""
+    rows, small = [], []
+    for r in summarize_layout(layout):
+        row = dict(r, placement=_PLACEMENT_WORDS.get(r["placement"], r["placement"]))
+        if row["placement"] == "replicated" and r["bytes"] < SMALL:
+            small.append(row)
+        else:
+            rows.append(dict(row, **{"per rank": mb(r["bytes"] * r["count"])}))
+    if small:
+        count = sum(r["count"] for r in small)
+        total = sum(r["bytes"] * r["count"] for r in small)
+        rows.append({"parameter": f"(replicated, under {mb(SMALL)} each)", "count": count,
+                     "placement": "replicated", "global shape": "", "local shape": "", "per rank": mb(total)})
+    return rows
 
 
 def plan_text(name: str, p: dict) -> str:
@@ -55,10 +89,10 @@ def plan_text(name: str, p: dict) -> str:
         f"parameters {p['parameters'] / 1e9:.2f} B = {mb(p['model_bytes'])}; per rank {mb(p['bytes_per_rank'])} = "
         f"{mb(p['replicated_bytes'])} replicated + {mb(p['sharded_bytes'])} sharded / {p['tp']}",
         "",
-        text_table(
-            [dict(r, each=mb(r["bytes"])) for r in summarize_layout(p["layout"])],
-            ["parameter", "count", "placement", "global shape", "local shape", "each"],
-        ),
+        text_table(layout_rows(p["layout"]),
+                   ["parameter", "count", "placement", "global shape", "local shape", "per rank"]),
+        "placement: colwise = output rows split over the ranks (ColwiseParallel), rowwise = input columns split\n"
+        "(RowwiseParallel), replicated = whole on every rank; per rank: bytes of all `count` (MiB = 2^20, GiB = 2^30)",
         "",
         f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
         f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'})"
@@ -67,5 +101,12 @@ def plan_text(name: str, p: dict) -> str:
         *([f"  ({c['note']})"] if c.get("note") else []),
     ]
     if p["heads"]:
-        lines.append("  heads per rank: " + ", ".join(f"rank {r}: {a}-{b - 1}" for r, (a, b) in enumerate(p["heads"])))
+        line = "  heads per rank:"
+        for r, (a, b) in enumerate(p["heads"]):
+            item = f" rank {r}: {a}-{b - 1}" + ("," if r < len(p["heads"]) - 1 else "")
+            if len(line) + len(item) > 100:
+                lines.append(line)
+                line = "   "
+            line += item
+        lines.append(line)
     return "\n".join(lines)

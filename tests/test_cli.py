@@ -2,9 +2,11 @@
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 from parameterized import parameterized
 
@@ -39,3 +41,79 @@ class BadArguments(unittest.TestCase):
             main(args)
         self.assertEqual(exit_.exception.code, 2)
         self.assertIn(message, stderr.getvalue().strip().splitlines()[-1])
+
+
+class HelpAndNames(unittest.TestCase):
+    """`--model`'s names: generated from the registry without doubled words, listed by family in the help without a
+    name broken at a hyphen, and an alias that two families could mean refused with both."""
+
+    def test_names(self):
+        from surgery.registry import model_names, resolve_model
+
+        names = model_names()
+        self.assertIn("bria-fibo", names)
+        self.assertNotIn("bria-fibo-fibo", names)
+        self.assertEqual(len(names), len(set(names)))
+        self.assertNotIn("dev", names)  # flux1-dev or flux2-dev
+        self.assertEqual(resolve_model("klein-9b")[1], "klein-9b")  # the docs' short names keep working
+        self.assertEqual(resolve_model("bria-fibo")[0].name, "bria-fibo")
+
+    def test_ambiguous_alias_names_the_candidates(self):
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exit_:
+            main(["plan", "--model", "dev", "--tp", "2"])
+        self.assertEqual(exit_.exception.code, 2)
+        line = stderr.getvalue().strip().splitlines()[-1]
+        self.assertIn("ambiguous", line)
+        self.assertIn("flux1-dev", line)
+        self.assertIn("flux2-dev", line)
+
+    def test_help_lists_whole_names(self):
+        from surgery.registry import model_names
+
+        for command in ("plan", "demo", "inspect", "explore"):
+            out = io.StringIO()
+            with mock.patch.dict(os.environ, {"COLUMNS": "80"}), contextlib.redirect_stdout(out), \
+                    self.assertRaises(SystemExit):
+                main([command, "--help"])
+            text = out.getvalue()
+            words = set(text.replace(",", " ").split())
+            with self.subTest(command):
+                self.assertTrue(set(model_names()) <= words, set(model_names()) - words)
+                self.assertFalse([line for line in text.splitlines() if line.rstrip().endswith("-")])
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            main(["explore", "--help"])
+        self.assertIn("address the server listens on", " ".join(out.getvalue().split()))
+        self.assertIn("port the server listens on", " ".join(out.getvalue().split()))
+
+
+class Output(unittest.TestCase):
+    def run_main(self, *args):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(list(args))
+        return code, out.getvalue()
+
+    def test_inspect_plans_only_family(self):
+        code, out = self.run_main("inspect", "--model", "qwen-image")
+        self.assertEqual(code, 0)
+        self.assertIn("plans only", out)
+        self.assertNotIn("(nothing)", out)
+
+    def test_plan_words_units_and_small_tensors(self):
+        code, out = self.run_main("plan", "--model", "klein-9b", "--tp", "8", "--image-tokens", "256",
+                                  "--text-tokens", "64")
+        self.assertEqual(code, 0)
+        self.assertIn("per rank 2.69 GiB = 676.0 MiB replicated + 16.25 GiB sharded / 8", out)
+        table = out.split("\n\n")[1].splitlines()
+        for word in ("Shard(0)", "Shard(1)", "Replicate", " whole ", " MB", " GB", "0.0 MB"):
+            self.assertNotIn(word, "\n".join(table[:-2]))  # the last two lines explain the words
+            if word.strip() in ("MB", "GB", "Shard(0)", "Replicate"):
+                self.assertNotIn(word, out)
+        small = [line for line in table if "under 1.0 MiB each" in line]
+        self.assertEqual(len(small), 1)
+        self.assertIn("80", small[0])  # 2 x 8 double-block + 2 x 24 single-block norms + 16 added q/k norms
+        self.assertFalse([line for line in table if "norm_q" in line or "norm_k" in line])
+        self.assertIn("colwise (rows)", out)
+        self.assertIn("rowwise (columns)", out)

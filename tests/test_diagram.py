@@ -19,6 +19,7 @@ from rewrites.flux2 import CONFIGS, example_inputs
 from surgery import diagram
 from surgery.cli import main
 from surgery.inspect import default_dtype
+import page_width as PW
 
 try:
     import model_explorer  # noqa: F401
@@ -92,7 +93,7 @@ class Reduction(unittest.TestCase):
         self.assertEqual(p["to_out.mlp_part"].storage, "copy of to_out columns 64:224")
         # q, k, v, gate, up all read the block input (the leaf concatenates them for the stock processor); the two
         # column parts of to_out meet in one add
-        inputs = [e.dst for e in g.edges if e.src == "input:arg[0]"]
+        inputs = [e.dst for e in g.edges if e.src == "input:hidden_states"]  # named from the forward's signature
         self.assertEqual(sorted(inputs), sorted(f"module:{k}" for k in rows))
         add = g.by_label("add")
         self.assertEqual(sorted(e.src for e in g.edges if e.dst == add.id),
@@ -123,8 +124,13 @@ class Reduction(unittest.TestCase):
         texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.text]
         self.assertIn("fused", texts)
         self.assertIn("to_qkv_mlp_proj.gate", texts)
-        self.assertIn("copy of to_out columns 0:64", texts)
+        self.assertIn("copy of to_out", texts)  # wrapped: "copy of to_out" / "columns 0:64"
+        self.assertIn("columns 0:64", texts)
         self.assertIn("1×6×224", [t.strip() for t in texts])
+        # the legend names every node shape and colour drawn
+        for entry in ("attention", "activation", "norm", "collective: bytes per", "colwise: output rows",
+                      "fused: unfuse before"):
+            self.assertIn(entry, texts)
 
 
 class Forms(unittest.TestCase):
@@ -152,6 +158,16 @@ class Forms(unittest.TestCase):
         self.assertEqual(collective.bytes, (256 + 64) * 4096 * 2)
         add = rank.by_label("add")
         self.assertIn((add.id, collective.id), [(e.src, e.dst) for e in rank.edges])
+        # rank 0's share: heads 0-3 of q, rows 0:512 of the fused weight; the MLP rows have no heads
+        self.assertEqual(projections(rank)["to_qkv_mlp_proj.k"].held, "heads 0-3 of 32; rows 0:512 of 4096")
+        self.assertEqual(projections(rank)["to_qkv_mlp_proj.k"].storage, "from to_qkv_mlp_proj rows 4096:4608")
+        self.assertEqual(projections(rank)["to_qkv_mlp_proj.up"].held, "rows 0:1536 of 12288")
+        self.assertEqual(projections(rank)["to_out.mlp_part"].held, "columns 0:1536 of 12288")
+        # the two rowwise outputs, and their sum, carry partial sums up to the all-reduce, and nothing else does
+        partial = {(e.src, e.dst) for e in rank.edges if e.partial}
+        self.assertEqual(partial, {("module:to_out.attn_part", add.id), ("module:to_out.mlp_part", add.id),
+                                   (add.id, collective.id)})
+        self.assertEqual([n.label for n in rank.nodes if n.kind == "input"], ["hidden_states"])
         # the collective's traced node is the all_reduce op itself
         fx = {n.name: n for n in rank.traced.graph.nodes}
         self.assertEqual(fx[collective.fx[0]].target._opname, "all_reduce")
@@ -166,8 +182,22 @@ class Forms(unittest.TestCase):
         self.assertEqual(rank.count("collective"), 4)  # to_out, to_add_out, ff, ff_context
         p = projections(rank)
         self.assertEqual(p["attn.add_q_proj"].sharding, "colwise")
-        self.assertEqual(p["ff.linear_in.gate"].storage, "view of linear_in rows 0:12288")
+        # rank 0 holds rows 0:1536 of the gate, which are the fused linear_in's rows 0:1536; no heads in an MLP
+        self.assertEqual(p["ff.linear_in.gate"].storage, "from linear_in rows 0:1536")
+        self.assertEqual(p["ff.linear_in.gate"].held, "rows 0:1536 of 12288")
+        self.assertEqual(p["ff.linear_in.up"].storage, "from linear_in rows 12288:13824")
         self.assertEqual(p["ff.linear_in.gate"].local, "1536 × 4096")
+        self.assertEqual(p["attn.add_k_proj"].held, "heads 0-3 of 32; rows 0:512 of 4096")
+        # the fused form draws the stock attention as stock (nothing shards before unfuse), not as "replicated"
+        fused = projections(self.double[0])
+        self.assertEqual(fused["attn.to_q"].sharding, "stock")
+        self.assertEqual(fused["ff.linear_out"].sharding, "stock")
+        self.assertEqual(fused["ff.linear_in"].sharding, "fused")
+        # four partial sums, each ending in its own all-reduce
+        partial = [e for e in rank.edges if e.partial]
+        ends = {e.dst for e in partial if any(n.id == e.dst and n.kind == "collective" for n in rank.nodes)}
+        self.assertEqual(len(ends), 4)
+        self.assertFalse(any(e.partial for g in self.double[:2] for e in g.edges))
 
     def test_bad_module(self):
         with self.assertRaisesRegex(surgery.SurgeryError, "has no submodule 'nope'"):
@@ -222,14 +252,31 @@ class Explorer(unittest.TestCase):
         with open(self.files["graphs"]) as f:
             rank = {n["id"]: n for n in json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]}
         by_layer = {rank[i]["namespace"]: r["value"] for i, r in placement.items()}
-        self.assertEqual(by_layer["to_qkv_mlp_proj/q"], 0)  # colwise
-        self.assertEqual(by_layer["to_out/mlp_part"], 1)  # rowwise
+        # categories, not codes that Model Explorer would sum and average
+        self.assertEqual(by_layer["to_qkv_mlp_proj/q"], "colwise")
+        self.assertEqual(by_layer["to_out/mlp_part"], "rowwise")
         self.assertEqual(len(by_layer), 7)
         size_by_layer = {rank[i]["namespace"]: r["value"] for i, r in sizes.items()}
         self.assertEqual(size_by_layer["to_qkv_mlp_proj/q"], 512 * 4096 * 2)
         self.assertEqual(size_by_layer["norm_q"], 128 * 2)
         fused = self.overlay("placement")["fused single_transformer_blocks.0.attn"]["results"]
-        self.assertEqual(sorted(r["value"] for r in fused.values()), [3, 3])  # both fused
+        self.assertEqual(sorted(r["value"] for r in fused.values()), ["fused", "fused"])
+        self.assertTrue(self.overlay("placement")["fused single_transformer_blocks.0.attn"][
+            "hideInAggregatedStatsTable"])
+        self.assertTrue(self.overlay("bytes per rank")["rank 0 of 8 (tensor parallel)"]["hideInChildrenStatsTable"])
+
+    def test_looked_through_ops_fold_into_one_layer(self):
+        from surgery.explore import LOOKED_THROUGH
+
+        with open(self.files["graphs"]) as f:
+            rank = json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]
+        hidden = [n for n in rank if n["namespace"].split("/")[-1] == LOOKED_THROUGH]
+        self.assertGreater(len(hidden), 20)  # rotary arithmetic, casts, views
+        # every other op sits in the layer of a node the diagram draws: a projection, norm, attention, ...
+        drawn = {fx for n in self.graphs[2].nodes for fx in n.fx}
+        drawn |= {n.name for n in self.graphs[2].traced.graph.nodes if n.op == "placeholder"}
+        loose = [n["id"] for n in rank if n not in hidden and n["id"] not in drawn and n["label"] != "output"]
+        self.assertEqual(loose, [])
 
 
 def run(*args):
@@ -263,6 +310,16 @@ class Commands(unittest.TestCase):
             self.assertEqual(code, 0, err)
             ET.parse(path)
         self.assertIn("rank 0 of 2 (tensor parallel): 20 nodes", out)
+        with tempfile.TemporaryDirectory() as tmp:  # the README's picture: rank 0's panel only, for an 880 px page
+            path = os.path.join(tmp, "rank.svg")
+            code, out, err = run("inspect", "--config", self.config, "--svg", path, "--tp", "2", "--panels", "rank",
+                                 "--width", "880")
+            self.assertEqual(code, 0, err)
+            with open(path) as f:
+                text = f.read()
+        self.assertEqual(out.count("nodes"), 1)
+        self.assertIsNone(PW.too_wide("svg", text, 880))
+        self.assertNotIn("unfused", text)
 
     def test_bad_arguments(self):
         code, _, err = run("inspect", "--tp", "2")
@@ -287,6 +344,21 @@ class Commands(unittest.TestCase):
             self.assertTrue(all(os.path.exists(path) for path in files["node_data"].values()))
 
     @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
+    def test_explore_says_what_it_wrote_before_serving(self):
+        seen = {}
+
+        def serve(files, host, port):  # stands in for the server, which blocks until Ctrl-C
+            seen["printed"] = out.getvalue()
+
+        out = io.StringIO()
+        with tempfile.TemporaryDirectory() as tmp, mock.patch("surgery.explore.serve_files", serve), \
+                contextlib.redirect_stdout(out):
+            code = main(["explore", "--config", self.config, "--out", tmp, "--port", "8123"])
+        self.assertEqual(code, 0)
+        self.assertIn("3 overlays", seen["printed"])
+        self.assertIn("http://127.0.0.1:8123", seen["printed"])
+
+    @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
     def test_explore_files(self):
         with tempfile.TemporaryDirectory() as tmp:
             code, out, err = run("explore", "--config", self.config, "--out", tmp, "--no-serve")
@@ -294,3 +366,66 @@ class Commands(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(tmp)), sorted([
                 "block.json", "block.placement.nodedata.json", "block.bytes_per_rank.nodedata.json",
                 "block.all-reduce_bytes.nodedata.json"]))
+
+
+class PageWidth(unittest.TestCase):
+    """Every picture fits the page it is read on: each notebook's committed outputs (tests/test_notebooks.py checks
+    the freshly executed ones the same way) within ~1,000 px, the README's docs/*.svg within ~880 px, and what
+    `diagram.svg` draws now at either width, legibly (not scaled below MIN_SCALE)."""
+
+    def test_the_check_catches_a_wide_diagram(self):
+        # the README's picture before it was stacked: 2,031 x 725 pt, side by side
+        old = '<svg width="2031pt" height="725pt" viewBox="0.00 0.00 2031.00 725.00"></svg>'
+        self.assertIn("2708 px wide", PW.too_wide("svg", old, PW.README_WIDTH_PX))
+        squeezed = diagram.stack_svgs([old], max_width_px=PW.README_WIDTH_PX)
+        self.assertIn("too small to read", PW.too_wide("svg", squeezed, PW.README_WIDTH_PX))
+
+    def test_notebook_outputs_fit(self):
+        import nbformat
+
+        checked = 0
+        for path in PW.NOTEBOOKS:
+            notebook = nbformat.read(path, as_version=4)
+            for where, kind, data in PW.pictures(notebook):
+                checked += 1
+                with self.subTest(notebook=path.name, where=where):
+                    self.assertIsNone(PW.too_wide(kind, data, PW.NOTEBOOK_WIDTH_PX))
+        self.assertGreaterEqual(checked, 14)
+
+    def test_docs_svgs_fit_a_readme(self):
+        self.assertTrue(PW.DOCS_SVGS)
+        for path in PW.DOCS_SVGS:
+            with self.subTest(path.name):
+                self.assertIsNone(PW.too_wide("svg", path.read_text(), PW.README_WIDTH_PX))
+
+    @unittest.skipUnless(diagram.dot_available(), "Graphviz's dot is not installed")
+    def test_fresh_diagrams_fit_at_natural_size(self):
+        # the README's picture (a single block's rank panel) fits a repository page, every form of a double block
+        # (six q/k/v projections) a notebook cell, unscaled
+        for module, limit in ((None, PW.README_WIDTH_PX), ("transformer_blocks.0", PW.NOTEBOOK_WIDTH_PX)):
+            graphs = klein9b_forms(module)[3]
+            text = diagram.svg(graphs, "klein-9B", max_width_px=None)
+            with self.subTest(module=module):
+                self.assertIsNone(PW.too_wide("svg", text, limit))
+
+
+class OtherFamilies(unittest.TestCase):
+    """Labels that come from the graph, not from FLUX.2's names: inputs named by the forward's signature (a block
+    called positionally), and the residual edge into the output labelled with the whole value, not with the first
+    of the tuple elements split from it."""
+
+    def test_input_names_and_output_edge(self):
+        for name in ("flux1", "hunyuan-video"):
+            family = surgery.families()[name]
+            config = next(iter(family.test_configs.values()))
+            model = surgery.inspect.model_on_meta(family, config)
+            inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
+            for graph in diagram.forms(model, inputs, tp=2):
+                with self.subTest(family=name, graph=graph.title):
+                    labels = [n.label for n in graph.nodes if n.kind == "input"]
+                    self.assertIn("hidden_states", labels)
+                    self.assertIn("encoder_hidden_states", labels)
+                    self.assertFalse([label for label in labels if label.startswith("arg")])
+                    # the block returns (text, image) split from one 1 x (8 + 16) x width residual sum
+                    (edge,) = [e for e in graph.edges if e.dst == "output"]
+                    self.assertEqual(edge.shape.split("×")[:2], ["1", "24"])

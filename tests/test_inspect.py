@@ -122,7 +122,7 @@ class Commands(unittest.TestCase):
         self.assertIn("heads per rank: rank 0: 0-5", out)
 
     def test_inspect(self):
-        code, out, _ = run("inspect", "--model", "dev")
+        code, out, _ = run("inspect", "--model", "flux2-dev")
         self.assertEqual(code, 0)
         self.assertIn("single_transformer_blocks.*.attn", out)
         self.assertIn("columns 6144:24576", out)

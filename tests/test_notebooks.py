@@ -4,6 +4,7 @@ import unittest
 from pathlib import Path
 
 import nbformat
+import page_width as PW
 from nbclient import NotebookClient
 from parameterized import parameterized
 
@@ -22,3 +23,11 @@ class Notebooks(unittest.TestCase):
                        resources={"metadata": {"path": str(path.parent)}}).execute()
         errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.output_type == "error"]
         self.assertEqual(errors, [])
+        # quiet: no warning boxes (a library's warnings that the reader can do nothing about are filtered at the source)
+        warnings = [o.text for cell in notebook.cells for o in cell.get("outputs", [])
+                    if o.output_type == "stream" and o.name == "stderr" and "Warning" in o.text]
+        self.assertEqual(warnings, [])
+        # every picture of the fresh run fits a notebook cell
+        for where, kind, data in PW.pictures(notebook):
+            with self.subTest(where=where):
+                self.assertIsNone(PW.too_wide(kind, data, PW.NOTEBOOK_WIDTH_PX))
