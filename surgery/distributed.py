@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import signal
+import sys
 import tempfile
+import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -43,22 +47,40 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, qu
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A file store: the ranks meet through a file the parent created, so there is no port to pick (and race for).
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     try:
         # plain pickle: tensors travel as bytes, not as shared memory that would vanish with this process
         queue.put((rank, pickle.dumps(fn(rank, world_size, *args))))
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Tear down together: no rank closes its connections while a peer still runs its last collective. Then leave
+    # without running torch's C++ destructors at interpreter exit, where gloo's threads raced them under load
+    # ("terminate called without an active exception", SIGABRT after the result was delivered). The result is
+    # already written to the parent's pipe.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
+                     timeout: float | None = None) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU processes joined by gloo; results by rank.
 
-    `fn` must be importable (a module-level function) and return something picklable.
+    `fn` must be importable (a module-level function) and return something picklable. A job still running after
+    `timeout` seconds (default: `SURGERY_RANKS_TIMEOUT`, else 900) has every rank print its stacks, is killed, and
+    raises `TimeoutError`: a rank waiting in a collective for another becomes a failure that says where, not a hang.
     """
     import torch.multiprocessing as mp
 
+    if timeout is None:
+        timeout = float(os.environ.get("SURGERY_RANKS_TIMEOUT", 900))
+    deadline = time.monotonic() + timeout
     queue = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="surgery-ranks-") as tmp:
         processes = mp.start_processes(
@@ -75,7 +97,24 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
             while not queue.empty():  # drain as we go, so a large result never blocks its sender
                 rank, result = queue.get()
                 results[rank] = pickle.loads(result)
+            if not finished and time.monotonic() > deadline:
+                _kill(processes.processes)
+                raise TimeoutError(
+                    f"run_on_cpu_ranks({getattr(fn, '__qualname__', fn)!r}, world {world_size}): still running "
+                    f"after {timeout:.0f} s (ranks with a result: {sorted(results)}); each rank's stacks are above."
+                )
     missing = sorted(set(range(world_size)) - results.keys())
     if missing:
         raise RuntimeError(f"ranks {missing} exited without a result")
     return [results[rank] for rank in range(world_size)]
+
+
+def _kill(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(2)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()

@@ -366,9 +366,17 @@ def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None
     check_config(family, config)
     try:
         with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()):
-            return cls(**config)
+            model = cls(**config)
     except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as error:
         raise SurgeryError(f"{family.name}: {cls.__name__} cannot be built from this config: {error}") from None
+    # As `from_pretrained(torch_dtype=...)` loads it: the modules diffusers keeps in float32 (FLUX.3's QK-norms) stay
+    # float32, so bytes per rank and the meta forward's dtypes are the published model's.
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    if keep and model.dtype in (torch.float16, torch.bfloat16):
+        for name, module in model.named_modules():
+            if any(k in name.split(".") for k in keep):
+                module.float()
+    return model
 
 
 def check_config(family: Family, config: dict) -> None:

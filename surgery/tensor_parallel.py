@@ -365,8 +365,13 @@ def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_da
             for name, param in module._parameters.items():
                 if not isinstance(param, DTensor) or not param.placements[0].is_shard():
                     continue
+                original = originals.get((id(module), name))
+                if original is None or original is param or isinstance(original, DTensor):
+                    # sharded before this block was (a root plan over blocks that were sharded on their own):
+                    # its values came from the source rank then. Every rank skips it alike.
+                    continue
                 local = param._local_tensor
-                original = originals[(id(module), name)].detach()
+                original = original.detach()
                 pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
                 if original.device.type == mesh.device_type:
                     scatter = [p.contiguous() for p in pieces] if pieces is not None else None

@@ -343,7 +343,7 @@ class CheckedBeforeWriting(Workspace):
         unfused = self.ws / "U"
         shutil.copytree(unfused_checkpoint(), unfused)
         tensors = load_file(unfused / WEIGHTS)
-        name = "single_transformer_blocks.1.attn.to_k.weight"
+        name = "single_transformer_blocks.1.attn.to_qkv_mlp_proj.k.weight"
         tensors[name] = tensors[name].half()
         save_file(tensors, unfused / WEIGHTS, metadata={"format": "pt"})
         self.assert_refused_untouched(rf"tensor '{name}' is torch.float16 while its sibling parts are torch.float32",
@@ -360,7 +360,7 @@ class CheckedBeforeWriting(Workspace):
                                                           "576"):
             surgery.unfuse_state_dict(fused, slices)
         unfused = surgery.unfuse_state_dict(model.state_dict(), slices)
-        part = "single_transformer_blocks.0.attn.to_v.weight"
+        part = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.v.weight"
         unfused[part] = torch.cat([unfused[part], torch.zeros(8, unfused[part].shape[1])])
         with self.assertRaisesRegex(surgery.SurgeryError, rf"'{part}' has shape \(72, 64\), the slice .* needs 64"):
             surgery.fuse_state_dict(unfused, slices)

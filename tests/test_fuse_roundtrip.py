@@ -68,7 +68,7 @@ class RoundTrip(unittest.TestCase):
         model = build(config)
         surgery.unfuse(model)
         with torch.no_grad():
-            model.single_transformer_blocks[0].attn.to_v.weight.mul_(-1)
+            model.single_transformer_blocks[0].attn.to_qkv_mlp_proj.v.weight.mul_(-1)
         surgery.fuse(model)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)

@@ -13,7 +13,7 @@ from flux2_testing import build, inputs, small_config
 
 CONFIG = small_config("klein4b_small")
 FUSED = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
-PART = "single_transformer_blocks.0.attn.to_v.weight"
+PART = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.v.weight"
 
 
 def values(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -49,7 +49,7 @@ class LoadStateDict(unittest.TestCase):
             message = str(raised.exception)
             self.assertRegex(message, rf"size mismatch for {FUSED}: copying a param with shape torch.Size\(\[{rows}, "
                                       rf"\d+\]\) from checkpoint, the shape in current model is torch.Size\(\[{rows - 8}, "
-                                      r"\d+\]\) \(fused from to_q.weight, .*another config")
+                                      r"\d+\]\) \(fused from to_qkv_mlp_proj.q.weight, .*another config")
             self.assertNotIn("Missing key", message)  # the cause, not its consequence
             self.assert_parts_unchanged()
 
