@@ -94,7 +94,7 @@ PIPELINES: dict[str, dict] = {
     **{f"chroma-{v}": {"pipeline": "ChromaPipeline", "vae": FLUX1_VAE, "text_encoder": T5_XXL}
        for v in ("hd", "base")},
     "bria-3.2": {"pipeline": "BriaPipeline", "vae": FLUX1_VAE, "text_encoder": T5_XXL},
-    "bria-fibo-fibo": {"pipeline": "BriaFiboPipeline", "text_encoder": SMOLLM3_3B},
+    "bria-fibo": {"pipeline": "BriaFiboPipeline", "text_encoder": SMOLLM3_3B},
     **{name: {"pipeline": "QwenImagePipeline", "vae": QWEN_VAE, "text_encoder": QWEN25_VL_7B}
        for name in ("qwen-image", "qwen-image-edit", "qwen-image-edit-2511")},
     "longcat-image-base": {"pipeline": "LongCatImagePipeline", "vae": FLUX1_VAE, "text_encoder": QWEN25_VL_7B},

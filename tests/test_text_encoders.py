@@ -120,6 +120,19 @@ class Loading(unittest.TestCase):
 
 
 class PipelinePlan(unittest.TestCase):
+    def test_every_recorded_pipeline_is_planned_under_its_model_name(self):
+        # a key that is no `--model` name (`bria-fibo-fibo`) made `plan --pipeline` refuse the family it records
+        from surgery.registry import model_names
+
+        names = set(model_names())
+        for family in surgery.families().values():
+            for key in family.pipelines:
+                with self.subTest(key=key):
+                    self.assertIn(key, names)
+                    rows = {r["component"] for r in pipeline_plan(key, 2)["components"]}
+                    self.assertIn("transformer", rows)
+                    self.assertTrue(set(family.pipelines[key]) - {"pipeline"} <= rows, rows)
+
     def test_flux2_dev_at_tp8(self):
         result = pipeline_plan("flux2-dev", 8)
         rows = {r["component"]: r for r in result["components"]}

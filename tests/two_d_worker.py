@@ -155,8 +155,11 @@ def check_training(mesh) -> dict:
 
 # every kind of sharded Linear of the first double and single block: column-sharded, row-sharded and all-reduced,
 # row-sharded with a partial output that joins the single block's one all-reduce
-LORA_TARGETS = (r"(transformer_blocks\.0\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|ff\.linear_\w+)|"
-                r"single_transformer_blocks\.0\.attn\.(to_[qkv]|to_out|mlp\.linear_\w+))")
+LORA_TARGETS = (r"(transformer_blocks\.0\.(attn\.(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out)|"
+                r"ff\.(linear_in\.(gate|up)|linear_out))|"
+                r"single_transformer_blocks\.0\.attn\.(to_qkv_mlp_proj\.(q|k|v|gate|up)|to_out\.(attn_part|mlp_part)))")
+# the double block's 8 attention and 3 feed-forward Linears, the single block's 5 row and 2 column leaves
+LORA_TARGET_COUNT = 18
 
 
 def lora_factors(model, rank: int = 2, seed: int = 5) -> dict:
@@ -230,6 +233,7 @@ def check_lora(mesh) -> dict:
     frozen = [n for n in params if "lora_" not in n]
     return {
         "adapters": len(factors),
+        "targets": sorted(factors),
         "trainable": sorted(grads) == sorted(ref_grads) and all("lora_" in n for n in grads),
         "grads": max(rel_err(grads[n], g) for n, g in ref_grads.items()),
         "params": max(rel_err(params[n], p) for n, p in ref_params.items()),
