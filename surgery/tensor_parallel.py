@@ -366,7 +366,7 @@ def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_da
                 if not isinstance(param, DTensor) or not param.placements[0].is_shard():
                     continue
                 original = originals.get((id(module), name))
-                if original is None or original is param or isinstance(original, DTensor):
+                if original is None or original is param:
                     # sharded before this block was (a root plan over blocks that were sharded on their own):
                     # its values came from the source rank then. Every rank skips it alike.
                     continue

@@ -238,6 +238,8 @@ class TensorParallel(unittest.TestCase):
                 self.assertLessEqual(r["forward"], W.FP32_TOL, key)
                 self.assertLessEqual(r["param_grads"], W.FP32_TOL, key)
                 self.assertEqual(r["bytes"], r["expected_bytes"], key)
+                if r["expected_all_reduces"] is not None:
+                    self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]}, key)
 
     @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
     def test_sharded_load_is_bitwise_unfuse_then_tensor_parallel(self, family_name, config_name):
