@@ -69,6 +69,19 @@ LLAMA3_8B = ("transformers.LlamaModel", "transformers.LlamaConfig",
              dict(vocab_size=128320, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192))
 
+# hunyuanvideo-community/HunyuanVideo-I2V text_encoder/ (llava-llama-3-8b whole: CLIP ViT-L/14-336 tower, Llama-3-8B)
+LLAVA_LLAMA3_8B = (
+    "transformers.LlavaForConditionalGeneration", "transformers.LlavaConfig",
+    dict(
+        text_config=dict(model_type="llama", **LLAMA3_8B[2]),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768),
+        image_token_index=128257, projector_hidden_act="gelu", vision_feature_layer=-2,
+        vision_feature_select_strategy="default", tie_word_embeddings=False,
+    ),
+)
+
 # HuggingFaceTB/SmolLM3-3B config.json (Bria-Fibo's text_encoder)
 SMOLLM3_3B = ("transformers.SmolLM3ForCausalLM", "transformers.SmolLM3Config",
               dict(vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -101,16 +114,19 @@ PIPELINES: dict[str, dict] = {
     **{f"hunyuan-image-{v}": {"pipeline": "HunyuanImagePipeline",
                               "text_encoder": QWEN25_VL_7B, "text_encoder_2": BYT5_SMALL}
        for v in ("2.1", "2.1-distilled")},
-    **{f"hunyuan-video-{v}": {"pipeline": "HunyuanVideoPipeline", "vae": HUNYUAN_VIDEO_VAE,
-                              "text_encoder": LLAMA3_8B, "text_encoder_2": CLIP_L}
-       for v in ("t2v", "i2v", "i2v-33ch")},
+    "hunyuan-video-t2v": {"pipeline": "HunyuanVideoPipeline", "vae": HUNYUAN_VIDEO_VAE,
+                          "text_encoder": LLAMA3_8B, "text_encoder_2": CLIP_L},
+    # image to video: the whole Llava model (its vision tower reads the image), not only its LlamaModel
+    **{f"hunyuan-video-{v}": {"pipeline": "HunyuanVideoImageToVideoPipeline", "vae": HUNYUAN_VIDEO_VAE,
+                              "text_encoder": LLAVA_LLAMA3_8B, "text_encoder_2": CLIP_L}
+       for v in ("i2v", "i2v-33ch")},
 }
 
 SOURCES = (
     "Text encoders: the config.json of the checkpoints each pipeline's text_encoder/ holds (named beside each entry "
     "above; Mistral-Small-3.1-24B for FLUX.2-dev, Qwen3-4B/8B for FLUX.2-klein, T5-v1.1-XXL and CLIP ViT-L/14 for "
     "FLUX.1, Chroma and Bria, Qwen2.5-VL-7B for QwenImage / LongCat / HunyuanImage, llava-llama-3-8b for "
-    "HunyuanVideo, SmolLM3-3B for Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, "
+    "HunyuanVideo (its LlamaModel for text to video, the whole Llava model for image to video), SmolLM3-3B for Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, "
     "not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
     "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, Motif-Video and QwenImage-2.1 "
     "(Qwen3-VL, whose transformers config ships a plan for its embedding only) are not recorded."
