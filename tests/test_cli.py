@@ -25,6 +25,15 @@ class Demo(unittest.TestCase):
         self.assertIn("collectives per forward: 6 all_reduce", result.stdout)
         self.assertIn("OK: worst error", result.stdout)
 
+    def test_flux3_demo(self):
+        # the family added the new way (leaves and a head-dim processor twin) runs the same user path
+        result = surgery_command("demo", "--model", "flux3")
+        self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        self.assertIn("linear_in: SplitRows", result.stdout)
+        self.assertIn("processor: HeadDimFlux3AttnProcessor", result.stdout)
+        self.assertIn("collectives per forward: 14 all_reduce", result.stdout)
+        self.assertIn("OK: worst error", result.stdout)
+
 
 class BadArguments(unittest.TestCase):
     @parameterized.expand([
