@@ -69,14 +69,17 @@ def run(rank: int, world: int, root: str) -> dict:
     model = surgery.tensor_parallel(surgery.unfuse(build(CONFIG, 0)), mesh, src_data_rank=None)
     out: dict[str, dict] = {}
 
-    def case(name: str, call, folder: Path) -> None:
+    def case(name: str, call, folder: Path, mine: Path | None = None) -> None:
+        """`folder`: the destination rank 0 checks for changes; `mine`: where this rank wrote (default `folder`),
+        checked on every rank for temporary or lock files left behind."""
         dist.barrier()
         before = tree(folder.parent) if rank == 0 else {}
         result = attempt(call)
         dist.barrier()
         if rank == 0:
             result["changed"] = tree(folder.parent) != before
-            result["leftovers"] = sorted(p.name for p in folder.parent.glob("*") if ".surgery-" in p.name)
+        own = (mine or folder).parent
+        result["leftovers"] = sorted(p.name for p in own.glob("*") if ".surgery-" in p.name)
         out[name] = result
 
     # files the save does not own are kept; an older sharded checkpoint there is replaced whole
@@ -115,7 +118,7 @@ def run(rank: int, world: int, root: str) -> dict:
     base = root / "different"
     case("different_names", lambda: surgery.save_pretrained(model, base / f"model{rank}"), base / "model0")
     case("different_parents", lambda: surgery.save_pretrained(model, root / f"elsewhere{rank}" / "model"),
-         root / "elsewhere0" / "model")
+         root / "elsewhere0" / "model", root / f"elsewhere{rank}" / "model")
 
     # failures inside the write: one rank's disk is full; one rank gets Ctrl-C; rank 0 fails in its own pass
     base = root / "faults" / "model"
@@ -139,4 +142,12 @@ def run(rank: int, world: int, root: str) -> dict:
     case("both_after", lambda: surgery.save_pretrained(model, alone), alone)
     if rank == 0:
         out["both_after"]["written"] = sorted(p.name for p in alone.iterdir())
+
+    # the other collective verbs: called on rank 0 only, rank 0 raises within the handshake timeout naming rank 1;
+    # then both call it and it works
+    fresh = surgery.unfuse(build(CONFIG, 0))
+    where = root / "tp" / "none"
+    case("tp_rank_0_only", lambda: surgery.tensor_parallel(fresh, mesh) if rank == 0 else None, where)
+    case("tp_both_after", lambda: surgery.tensor_parallel(fresh, mesh), where)
+    out["tp_both_after"]["sharded"] = type(fresh.transformer_blocks[0].attn.to_q.weight).__name__
     return out

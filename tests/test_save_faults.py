@@ -45,6 +45,8 @@ class SaveFaults(unittest.TestCase):
         "rank_0_only": (r"^SurgeryError: surgery.save_pretrained: rank 1 did not call surgery.save_pretrained within "
                         r"3 s \(rank 0 did\)\. Every rank of the group must call it at the same point \(not under "
                         r"`if rank == 0:`\)", "no call"),
+        "tp_rank_0_only": (r"^SurgeryError: surgery.tensor_parallel: rank 1 did not call surgery.tensor_parallel within "
+                           r"3 s \(rank 0 did\)", "no call"),
     }
 
     def test_every_rank_raises_at_once_and_nothing_is_left_behind(self):
@@ -62,7 +64,8 @@ class SaveFaults(unittest.TestCase):
                 for rank, r in enumerate(per_rank):
                     self.assertLess(r[case]["seconds"], PROMPT_S, f"rank {rank}")
                 self.assertFalse(first["changed"], "the destination's folder changed")
-                self.assertEqual(first["leftovers"], [])
+                for rank, r in enumerate(per_rank):  # each rank where it wrote
+                    self.assertEqual(r[case]["leftovers"], [], f"rank {rank}")
 
     def test_a_handshake_that_timed_out_leaves_the_next_call_in_step(self):
         first, second = (r["both_after"] for r in results())
@@ -70,6 +73,11 @@ class SaveFaults(unittest.TestCase):
         self.assertIsNone(second["error"])
         self.assertIn("config.json", first["written"])
         self.assertEqual(first["leftovers"], [])
+
+    def test_tensor_parallel_on_some_ranks_only_raises_and_the_next_call_meets(self):
+        for rank, r in enumerate(results()):
+            self.assertIsNone(r["tp_both_after"]["error"], f"rank {rank}")
+            self.assertEqual(r["tp_both_after"]["sharded"], "DTensor")
 
     def test_files_the_save_does_not_own_are_kept(self):
         keep = results()[0]["keep"]
