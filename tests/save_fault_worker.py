@@ -18,6 +18,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from diffusers import Flux2Transformer2DModel
 from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
@@ -150,4 +151,17 @@ def run(rank: int, world: int, root: str) -> dict:
     case("tp_rank_0_only", lambda: surgery.tensor_parallel(fresh, mesh) if rank == 0 else None, where)
     case("tp_both_after", lambda: surgery.tensor_parallel(fresh, mesh), where)
     out["tp_both_after"]["sharded"] = type(fresh.transformer_blocks[0].attn.to_q.weight).__name__
+
+    # the same for a sharded load and for context parallelism (the mesh is built on both ranks first)
+    checkpoint = root / "ckpt" / "model"
+    if rank == 0:
+        build(CONFIG, 0).save_pretrained(checkpoint)
+    dist.barrier()
+    load = lambda: surgery.load_tensor_parallel(Flux2Transformer2DModel, checkpoint, mesh)  # noqa: E731
+    case("load_rank_0_only", lambda: load() if rank == 0 else None, where)
+    case("load_both_after", load, where)
+    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    plain = build(CONFIG, 0)
+    case("cp_rank_0_only", lambda: surgery.context_parallel(plain, cp_mesh) if rank == 0 else None, where)
+    case("cp_both_after", lambda: surgery.context_parallel(plain, cp_mesh), where)
     return out

@@ -47,6 +47,10 @@ class SaveFaults(unittest.TestCase):
                         r"`if rank == 0:`\)", "no call"),
         "tp_rank_0_only": (r"^SurgeryError: surgery.tensor_parallel: rank 1 did not call surgery.tensor_parallel within "
                            r"3 s \(rank 0 did\)", "no call"),
+        "load_rank_0_only": (r"^SurgeryError: surgery.load_tensor_parallel: rank 1 did not call "
+                             r"surgery.load_tensor_parallel within 3 s \(rank 0 did\)", "no call"),
+        "cp_rank_0_only": (r"^SurgeryError: surgery.context_parallel: rank 1 did not call surgery.context_parallel within "
+                           r"3 s \(rank 0 did\)", "no call"),
     }
 
     def test_every_rank_raises_at_once_and_nothing_is_left_behind(self):
@@ -74,9 +78,10 @@ class SaveFaults(unittest.TestCase):
         self.assertIn("config.json", first["written"])
         self.assertEqual(first["leftovers"], [])
 
-    def test_tensor_parallel_on_some_ranks_only_raises_and_the_next_call_meets(self):
+    def test_collective_verbs_on_some_ranks_only_raise_and_the_next_call_meets(self):
         for rank, r in enumerate(results()):
-            self.assertIsNone(r["tp_both_after"]["error"], f"rank {rank}")
+            for case in ("tp_both_after", "load_both_after", "cp_both_after"):
+                self.assertIsNone(r[case]["error"], f"rank {rank} {case}")
             self.assertEqual(r["tp_both_after"]["sharded"], "DTensor")
 
     def test_files_the_save_does_not_own_are_kept(self):
