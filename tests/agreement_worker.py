@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import surgery
+from surgery.testing import CollectiveCounter
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 
 TIMEOUT_S = 30  # the cases' process group: a hang would surface as an error after this, never as a stuck suite
@@ -44,8 +45,10 @@ def attempt(call, model) -> dict:
     """Run `call(model)` and report the error, the seconds it took to arrive and whether `model` is intact."""
     snap = snapshot(model)
     start = time.monotonic()
+    counter = CollectiveCounter()  # every collective the call issued (c10d and functional), by op
     try:
-        call(model)
+        with counter:
+            call(model)
         error = None
     except surgery.SurgeryError as e:
         error = str(e)
@@ -62,7 +65,8 @@ def attempt(call, model) -> dict:
         intact = True
     except AssertionError:
         intact = False
-    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": leftovers(model)}
+    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": leftovers(model),
+            "collectives": dict(counter.counts)}
 
 
 def shard(mesh, src_data_rank=0):

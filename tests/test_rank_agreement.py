@@ -47,6 +47,16 @@ class Agreement(unittest.TestCase):
                     self.assertTrue(r[case]["intact"], f"rank {rank}: model changed")
                     self.assertEqual(r[case]["leftovers"], [], f"rank {rank}")
 
+    def test_a_refusal_runs_no_collective_but_the_agreement(self):
+        # "before the first collective", counted: a call refused on any rank issues only the agreement's exchanges
+        # (each an all_gather_object: two allgathers, sizes then data), never a weight broadcast, scatter or
+        # all-reduce. A refusal takes the verdict exchange alone; a difference also the differing part's exchange.
+        expected = {"refuses": 2, "meta": 2, "weights": 4, "config": 4, "dtype": 4}
+        for case, allgathers in expected.items():
+            for rank, r in enumerate(results()):
+                with self.subTest(case=case, rank=rank):
+                    self.assertEqual(r[case]["collectives"], {"allgather_": allgathers})
+
     def test_a_model_rolled_back_after_a_midway_failure_shards_again(self):
         for r in results():
             for src in (0, None):
