@@ -48,7 +48,8 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, qu
 
     torch.set_num_threads(threads)
     # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):  # POSIX only
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     # A file store: the ranks meet through a file the parent created, so there is no port to pick (and race for).
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
     try:
@@ -110,10 +111,11 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
 
 
 def _kill(processes) -> None:
-    for process in processes:
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGUSR1)
-    time.sleep(2)
+    if hasattr(signal, "SIGUSR1"):
+        for process in processes:
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+        time.sleep(2)  # time to write the stacks
     for process in processes:
         if process.is_alive():
             process.kill()
