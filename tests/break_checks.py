@@ -1,0 +1,94 @@
+"""Break what a test guards and watch the test fail: each entry edits one line of a scratch copy of this tree, runs
+the tests that guard it there, and reports whether they failed (they must).
+
+    python tests/break_checks.py            # every entry, a few minutes on 2 cores
+    python tests/break_checks.py 0 5        # entries by number
+
+Not part of the suite (it runs the suite's own tests against broken code); run it after changing a guarded piece or
+its test. A line that reads "passed" is a test that cannot fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (what is broken, file, the exact text, what it becomes, the tests that must fail). A text of None: flip the first
+# ColwiseParallel() of the file to RowwiseParallel().
+MUTATIONS = [
+    ("sampled_checksum: float32 linspace indices (the src_data_rank=None bug)", "surgery/agreement.py",
+        "    index = steps * (n - 1) // max(k - 1, 1)\n", "    index = torch.linspace(0, n - 1, k).long()\n",
+        ["tests/test_published_width.py::PublishedWidth::test_flux2_dev"]),
+    ("shared SplitProjection plan: attn part replicated output", "surgery/split_projection.py",
+        "    ATTN_PART: RowwiseParallel(output_layouts=Partial(), use_local_output=False),\n",
+        "    ATTN_PART: RowwiseParallel(use_local_output=False),\n",
+        ["tests/test_conformance.py::TensorParallel::test_world_4",
+         "tests/test_conformance.py::TensorParallel::test_matches_single_device_fused_model_2_flux2_tp_wide"]),
+    ("TP x FSDP2 AdamW: the sharded step skipped", "tests/two_d_worker.py",
+        "        grads, params = train_step(model, local_kw, local_target, cls, **opts)\n",
+        "        grads, params = train_step(model, local_kw, local_target, cls, **dict(opts, lr=0.0))\n",
+        ["tests/test_two_d_mesh.py::TensorTimesFSDP2::test_an_adamw_step_matches_one_device"]),
+    ("atomic swap: delete then rename instead of the exchange", "surgery/atomic.py",
+        "    if _renameat2(staged, target, _RENAME_EXCHANGE):\n        return staged\n",
+        "    if True:\n        shutil.rmtree(target)\n        os.rename(staged, target)\n        return None\n",
+        ["tests/test_atomic_save.py::NeverAbsent::test_the_destination_is_whole_at_every_step_of_the_swap"]),
+    ("plans-only: a QwenImage plan entry changed", "rewrites/qwenimage.py",
+        None, None, ["tests/test_conformance.py::PlansOnly"]),
+    ("copy_from_source: already-sharded parameters not skipped (the pipeline hang)", "surgery/tensor_parallel.py",
+        "                if original is None or original is param:\n",
+        "                if False:\n",
+        ["tests/test_pipelines.py::KleinPipeline::test_tensor_parallel_over_two_ranks_gives_the_single_device_image"]),
+    ("tensor_parallel: blocks' unsharded parameters never released", "surgery/tensor_parallel.py",
+        "        saved.release()\n        done.append(saved)\n", "        done.append(saved)\n",
+        ["tests/test_published_width.py::PublishedWidth::test_hunyuan_video_t2v"]),
+    ("LoRA on TP x FSDP2: single block's leaves not targeted", "tests/two_d_worker.py",
+        r'''r"single_transformer_blocks\.0\.attn\.(to_qkv_mlp_proj\.(q|k|v|gate|up)|to_out\.(attn_part|mlp_part)))")''',
+        r'''r"single_transformer_blocks\.0\.attn\.(to_[qkv]|to_out|mlp\.linear_\w+))")''',
+        ["tests/test_two_d_mesh.py::LoRAOnTensorTimesFSDP2"]),
+    ("tensor_parallel: a collective before the ranks agree", "surgery/tensor_parallel.py",
+        "    agree(mesh, \"tensor_parallel\", check,\n",
+        "    dist.barrier(group=mesh.get_group())\n    agree(mesh, \"tensor_parallel\", check,\n",
+        ["tests/test_rank_agreement.py::Agreement::test_a_refusal_runs_no_collective_but_the_agreement"]),
+]
+
+
+def main(argv: list[str]) -> int:
+    chosen = [int(a) for a in argv] or range(len(MUTATIONS))
+    passed = []
+    for i in chosen:
+        what, path, old, new, tests = MUTATIONS[i]
+        with tempfile.TemporaryDirectory(prefix="surgery-break-") as tmp:
+            tree = Path(tmp) / "tree"
+            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info"))
+            target = tree / path
+            text = target.read_text()
+            if old is None:
+                old, new = "ColwiseParallel()", "RowwiseParallel()"
+            if old not in text:
+                print(f"{i} | {what} | the text to break is no longer in {path}: update this entry", flush=True)
+                passed.append(i)
+                continue
+            target.write_text(text.replace(old, new, 1))
+            # the scratch tree first on the path (an editable install would import this tree otherwise); a hang
+            # in a rank job fails within 90 s
+            env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="90")
+            started = time.time()
+            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=tree,
+                                 env=env, capture_output=True, text=True)
+        last = [line for line in run.stdout.splitlines() if line.strip()][-1:]
+        verdict = "failed, as it must" if run.returncode == 1 else f"exit {run.returncode}: CANNOT FAIL?"
+        if run.returncode != 1:
+            passed.append(i)
+        print(f"{i} | {what} | {' '.join(tests)} | {verdict} | {last} | {time.time() - started:.0f} s", flush=True)
+    return 1 if passed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
