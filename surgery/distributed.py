@@ -112,10 +112,12 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
 
 def _kill(processes) -> None:
     if hasattr(signal, "SIGUSR1"):
-        for process in processes:
+        # one rank at a time, each under its own heading: stacks written at once interleave on the shared stderr
+        for rank, process in enumerate(processes):
             if process.is_alive():
+                print(f"run_on_cpu_ranks: rank {rank} (pid {process.pid}), its stacks:", file=sys.stderr, flush=True)
                 os.kill(process.pid, signal.SIGUSR1)
-        time.sleep(2)  # time to write the stacks
+                time.sleep(1.5)  # time to write them
     for process in processes:
         if process.is_alive():
             process.kill()

@@ -15,8 +15,11 @@ def test_a_job_past_its_time_limit_fails_with_every_ranks_stacks(capfd):
         run_on_cpu_ranks(rank_job_worker.stuck, 2, timeout=30)  # well past the ranks' start-up
     assert time.monotonic() - started < 90  # killed, not left to its 600 s sleep
     stacks = capfd.readouterr().err
-    assert "in stuck" in stacks and "rank_job_worker.py" in stacks, stacks[-2000:]
-    assert "broadcast" in stacks  # where rank 1 waited
+    for rank in (0, 1):  # each rank's stacks under its own heading, one after the other (not interleaved)
+        assert f"run_on_cpu_ranks: rank {rank} (pid" in stacks, stacks[-3000:]
+    rank_1 = stacks[stacks.index("run_on_cpu_ranks: rank 1 (pid"):]
+    assert 'rank_job_worker.py", line' in rank_1 and " in stuck" in rank_1, rank_1[-3000:]
+    assert " in broadcast" in rank_1, rank_1[-3000:]  # where rank 1 waited
 
 
 def test_a_job_that_ends_returns_each_ranks_result():
