@@ -126,8 +126,8 @@ SOURCES = (
     "Text encoders: the config.json of the checkpoints each pipeline's text_encoder/ holds (named beside each entry "
     "above; Mistral-Small-3.1-24B for FLUX.2-dev, Qwen3-4B/8B for FLUX.2-klein, T5-v1.1-XXL and CLIP ViT-L/14 for "
     "FLUX.1, Chroma and Bria, Qwen2.5-VL-7B for QwenImage / LongCat / HunyuanImage, llava-llama-3-8b for "
-    "HunyuanVideo (its LlamaModel for text to video, the whole Llava model for image to video), SmolLM3-3B for Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, "
-    "not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
+    "HunyuanVideo (its LlamaModel for text to video, the whole Llava model for image to video), SmolLM3-3B for "
+    "Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
     "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, Motif-Video and QwenImage-2.1 "
     "(Qwen3-VL, whose transformers config ships a plan for its embedding only) are not recorded."
 )

@@ -3,8 +3,8 @@
 For each family with variants and test configs: unfused == fused (forward and backward, fp32 tight, bf16 loose, two
 seeds), row slices are views, `fuse` restores stock classes bitwise, the slices tile every fused parameter, builders
 never mutate their argument, every published variant rewrites on meta with the same parameter count, sharding at 8
-ranks on meta holds replicated + sharded/8 bytes; then real gloo jobs (world 2 and world 4, one test
-config per family) against the single-device fused model: forward and gathered gradients, collectives per forward (exactly the
+ranks on meta holds replicated + sharded/8 bytes; then real gloo jobs (world 2 and world 4, one test config per
+family) against the single-device fused model: forward and gathered gradients, collectives per forward (exactly the
 family's declared all-reduces, never more than diffusers' packed plan), per-rank bytes, sharded loading and
 `surgery convert` through the same slice tables.
 """

@@ -49,8 +49,8 @@ class SaveFaults(unittest.TestCase):
                            r"3 s \(rank 0 did\)", "no call"),
         "load_rank_0_only": (r"^SurgeryError: surgery.load_tensor_parallel: rank 1 did not call "
                              r"surgery.load_tensor_parallel within 3 s \(rank 0 did\)", "no call"),
-        "cp_rank_0_only": (r"^SurgeryError: surgery.context_parallel: rank 1 did not call surgery.context_parallel within "
-                           r"3 s \(rank 0 did\)", "no call"),
+        "cp_rank_0_only": (r"^SurgeryError: surgery.context_parallel: rank 1 did not call surgery.context_parallel "
+                           r"within 3 s \(rank 0 did\)", "no call"),
     }
 
     def test_every_rank_raises_at_once_and_nothing_is_left_behind(self):
