@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import surgery  # noqa: E402
 from surgery.testing import CollectiveCounter, run_on_cpu_ranks  # noqa: E402
-from surgery import inspect, render  # noqa: E402
-from surgery.registry import families, model_class, resolve_model  # noqa: E402
+from surgery.sight import report as inspect, render  # noqa: E402
+from surgery.core.registry import families, model_class, resolve_model  # noqa: E402
 from surgery.testing import rel_err, seeded_model  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def tp_rank(rank: int, world: int, family_name: str, config: dict, tokens: tuple
 
 def tensor_parallel_cpu(args) -> list[dict]:
     """gloo TP at world 1/2/4 on CPU: ours vs diffusers' packed plan vs the single-device fused model."""
-    from surgery.demo import demo_config
+    from surgery.app.demo import demo_config
 
     name = args.models[0]
     family, _ = resolve_model(name)

@@ -26,8 +26,8 @@ def main() -> None:
 
     import load_worker
     from flux2_testing import build, small_config
-    from rewrites.flux2 import seeded_model
-    from surgery.demo import demo_config
+    from surgery_rewrites.flux2 import seeded_model
+    from surgery.app.demo import demo_config
     from surgery.testing import run_on_cpu_ranks
 
     with tempfile.TemporaryDirectory(prefix="surgery-load-bench-") as tmp:

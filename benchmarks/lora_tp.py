@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import surgery  # noqa: E402
-from surgery.registry import model_class  # noqa: E402
+from surgery.core.registry import model_class  # noqa: E402
 from surgery.testing import run_on_cpu_ranks  # noqa: E402
 
 

@@ -6,7 +6,7 @@ all-to-all volume of Ulysses on paper for FLUX.2-dev at 1024^2 and 2048^2.
 
 Each rank holds the same seeded model; every layout runs the unfused model (so only the parallelism differs) on the
 same inputs, interleaved, medians after warm-up. Errors are against the single-device fused model. The on-paper
-part runs `surgery.inspect.plan` (meta device, fake process group: nothing allocated). Results go to
+part runs `surgery.sight.report.plan` (meta device, fake process group: nothing allocated). Results go to
 benchmarks/results/ as JSON and markdown; the script exits non-zero only when it fails to run.
 """
 
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import surgery  # noqa: E402
 from flux2 import _markdown, interleaved, machine  # noqa: E402
-from rewrites.flux2 import example_inputs, seeded_model  # noqa: E402
-from surgery import inspect, render  # noqa: E402
-from surgery.demo import demo_config  # noqa: E402
+from surgery_rewrites.flux2 import example_inputs, seeded_model  # noqa: E402
+from surgery.sight import report as inspect, render  # noqa: E402
+from surgery.app.demo import demo_config  # noqa: E402
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks  # noqa: E402
 
 WORLD = 4

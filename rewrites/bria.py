@@ -4,7 +4,7 @@ processors that split heads by head size so that they run column-sharded.
 | module (diffusers class, kept) | swapped                                                                            |
 |--------------------------------|------------------------------------------------------------------------------------|
 | `BriaSingleTransformerBlock`   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor    |
-| `BriaAttention` (double block) | processor `BriaAttnProcessor` -> its head-dim twin (`surgery.leaves`)              |
+| `BriaAttention` (double block) | processor `BriaAttnProcessor` -> its head-dim twin (`surgery.core.leaves`)              |
 
 Bria's structure is LongCat-Image's: the rewrites and plans come from `rewrites.longcat_image`.
 """
@@ -18,9 +18,9 @@ from diffusers.models.transformers.transformer_bria import (
     BriaTransformer2DModel,
 )
 
-from rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
-from surgery.leaves import Processors
-from surgery.registry import Family
+from surgery_rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery.core.leaves import Processors
+from surgery.core.registry import Family
 
 REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))
 

@@ -23,9 +23,9 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboTransformer2DModel,
 )
 
-from rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
-from surgery.leaves import Processors, swap_rewrite
-from surgery.registry import Family
+from surgery_rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery.core.leaves import Processors, swap_rewrite
+from surgery.core.registry import Family
 
 _SINGLE_ATTENTION = Processors((BriaAttnProcessor,))
 REWRITES = (

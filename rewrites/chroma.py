@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformer2DModel
 
-from rewrites.flux1 import SINGLE_BLOCK_TP_PLAN, check_single_block, rope_axes, single_block_rewrite
-from surgery.registry import Family
+from surgery_rewrites.flux1 import SINGLE_BLOCK_TP_PLAN, check_single_block, rope_axes, single_block_rewrite
+from surgery.core.registry import Family
 
 REWRITES = (single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
 

@@ -5,10 +5,10 @@ up projection column-sharded, the down projection rowwise (one all-reduce). Its 
 gate and up in `net.0.proj` and are refused: a model family that uses them rewrites them first.
 
 diffusers' generic `Attention` is planned in rewrites/qwenimage.py (for the processors that split heads by head_dim,
-QwenImage's and the head-dim twins of `surgery.leaves`).
+QwenImage's and the head-dim twins of `surgery.core.leaves`).
 
-`surgery.split_projection.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
-`SplitProjection` compose it under its path in their own literal plans (`surgery.leaves.under`).
+`surgery.core.split_projection.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
+`SplitProjection` compose it under its path in their own literal plans (`surgery.core.leaves.under`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from diffusers.models.activations import GEGLU, SwiGLU
 from diffusers.models.attention import FeedForward
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
-from surgery.registry import Family
+from surgery.core.errors import SurgeryError
+from surgery.core.registry import Family
 
 FEED_FORWARD_TP_PLAN = {
     "net.0.proj": ColwiseParallel(),

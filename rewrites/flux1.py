@@ -9,7 +9,7 @@ unfused form, the slices between them, and stock tensor-parallel plans.
 | `fuse_qkv_projections()`              |                            | to_v; add_q/k/v_proj                      |
 
 The single block keeps its class and diffusers' forward: `proj_out` is swapped for a leaf that takes the same
-concatenation (`surgery.leaves`). Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor`
+concatenation (`surgery.core.leaves`). Everything else is already unfused in diffusers. Its stock `FluxAttnProcessor`
 splits heads with `unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is (the IP-adapter processor
 splits by `attn.heads` and is refused by the tensor-parallel check).
 
@@ -29,13 +29,14 @@ from diffusers.models.transformers.transformer_flux import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError, check_hooks, check_linear, mesh_sizes_dividing
-from surgery.leaves import columns, swap_rewrite, under
-from surgery.registry import Family, Rewrite
-from surgery.rewrite import fuse, unfuse
-from surgery.slicing import Slice, row_slices
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.errors import SurgeryError
+from surgery.core.checks import check_hooks, check_linear, mesh_sizes_dividing
+from surgery.core.leaves import columns, swap_rewrite, under
+from surgery.core.registry import Family, Rewrite
+from surgery.core.rewrite import fuse, unfuse
+from surgery.core.slicing import Slice, row_slices
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 # --- the single-stream block ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """FLUX.2 (diffusers `Flux2Transformer2DModel`): the fused leaves, their unfused forms and the slices between them.
 
 Every stock class, forward and processor stays; only the fused Linears are swapped for leaves that compute the same
-function behind the same call (`surgery.leaves`):
+function behind the same call (`surgery.core.leaves`):
 
 | module (diffusers class, kept)          | fused Linear        | unfused leaf                                      |
 |-----------------------------------------|---------------------|---------------------------------------------------|
@@ -30,12 +30,13 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
-from surgery.leaves import columns, rows, swap_rewrite, under
-from surgery.registry import Family, Rewrite
-from surgery.slicing import Slice, row_slices
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery.core import build
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import columns, rows, swap_rewrite, under
+from surgery.core.registry import Family, Rewrite
+from surgery.core.slicing import Slice, row_slices
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 # --- the leaves -----------------------------------------------------------------------------------------------------
 
@@ -315,6 +316,4 @@ FAMILY = Family(
 
 def seeded_model(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> Flux2Transformer2DModel:
     """`Flux2Transformer2DModel(**config)` with every weight drawn from `seed` (see `surgery.testing.seeded_model`)."""
-    from surgery.testing import seeded_model as seeded
-
-    return seeded(FAMILY, config, seed, dtype)
+    return build.seeded_model(FAMILY, config, seed, dtype)

@@ -1,7 +1,7 @@
 """FLUX.3 (diffusers `Flux3Transformer2DModel`): the fused SwiGLU `linear_in` of every block's feed-forward, the
 attention processor that reshapes by the stored head count, and `fuse_qkv_projections()`.
 
-Built the drop-in way (`surgery.leaves`): every diffusers class and forward stays.
+Built the drop-in way (`surgery.core.leaves`): every diffusers class and forward stays.
 
 | module (diffusers class, kept)       | swapped                                                                  |
 |--------------------------------------|--------------------------------------------------------------------------|
@@ -31,11 +31,11 @@ from diffusers.models.transformers.transformer_flux3 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
-from surgery.leaves import Processors, recast, rows, swap_rewrite, translate
-from surgery.registry import Family, Rewrite
-from surgery.slicing import Slice, row_slices
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import Processors, recast, rows, swap_rewrite, translate
+from surgery.core.registry import Family, Rewrite
+from surgery.core.slicing import Slice, row_slices
+from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
 

@@ -5,7 +5,7 @@ and attention that splits heads by head size so that it runs column-sharded.
 |----------------------------------------------|-------------------------------------------------------------|
 | `HunyuanImageSingleTransformerBlock`         | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); |
 |                                              | its `attn`'s processor                                      |
-| `Attention` with `HunyuanImageAttnProcessor` | processor -> its head-dim twin (`surgery.leaves`)           |
+| `Attention` with `HunyuanImageAttnProcessor` | processor -> its head-dim twin (`surgery.core.leaves`)           |
 
 diffusers' `HunyuanImageAttnProcessor` reshapes with the stored head count (`unflatten(2, (attn.heads, -1))`), which is
 wrong on a rank that holds `heads / N` of them; its twin is the stock source with `unflatten(2, (-1, attn.inner_dim // attn.heads))`.
@@ -26,10 +26,10 @@ from diffusers.models.transformers.transformer_hunyuanimage import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from surgery.leaves import Processors, columns, recast, swap_rewrite, under  # noqa: F401  (recast: older imports)
-from surgery.registry import Family
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.leaves import Processors, columns, recast, swap_rewrite, under  # noqa: F401  (recast: older imports)
+from surgery.core.registry import Family
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((HunyuanImageAttnProcessor,))
 REWRITES = (

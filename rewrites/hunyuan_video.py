@@ -1,6 +1,6 @@
 """HunyuanVideo (diffusers `HunyuanVideoTransformer3DModel`, text-to-video and both image-to-video variants).
 
-Every block keeps its diffusers class and forward (`surgery.leaves`):
+Every block keeps its diffusers class and forward (`surgery.core.leaves`):
 
 | module (diffusers class, kept)                    | swapped                                                       |
 |---------------------------------------------------|---------------------------------------------------------------|
@@ -15,7 +15,7 @@ Why the processors: every HunyuanVideo attention processor reshapes by the globa
 (`unflatten(2, (attn.heads, -1))` in `HunyuanVideoAttnProcessor2_0`; `view(batch, -1, attn.heads, head_dim)` and a
 mask repeated `attn.heads` times in the refiner's `AttnProcessor2_0`). On a rank that holds a column shard of q/k/v
 those split each head into pieces, so stock tensor parallelism would run and be wrong. Their twins
-(`surgery.leaves.head_dim_twin`) are the stock source with the edits listed in `surgery.leaves.EDITS`: heads split
+(`surgery.core.leaves.head_dim_twin`) are the stock source with the edits listed in `surgery.core.leaves.EDITS`: heads split
 by `head_dim`, and the refiner's per-sample mask broadcast over however many heads a rank holds.
 """
 
@@ -37,11 +37,12 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel
 
-from surgery.checks import SurgeryError, mesh_sizes_dividing
-from surgery.leaves import Processors, columns, swap_rewrite, under
-from surgery.registry import Family
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.errors import SurgeryError
+from surgery.core.checks import mesh_sizes_dividing
+from surgery.core.leaves import Processors, columns, swap_rewrite, under
+from surgery.core.registry import Family
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))

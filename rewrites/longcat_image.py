@@ -8,7 +8,7 @@ attention processors that split heads by head size so that they run column-shard
 | `LongCatImageAttention`              | processor `LongCatImageAttnProcessor` -> its head-dim twin               |
 
 diffusers' `LongCatImageAttnProcessor` reshapes with the stored head count (`unflatten(-1, (attn.heads, -1))`), wrong
-on a rank that holds `heads / N` of them. `surgery.leaves.head_dim_twin` builds its twin from the stock source with
+on a rank that holds `heads / N` of them. `surgery.core.leaves.head_dim_twin` builds its twin from the stock source with
 that one edit (heads split by `head_dim`); blocks, forwards and attention classes stay diffusers' own. Ovis-Image,
 Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites` and the plans below.
 """
@@ -25,10 +25,10 @@ from diffusers.models.transformers.transformer_longcat_image import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.leaves import Leaf, Processors, columns, swap_rewrite, under
-from surgery.registry import Family, Rewrite
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.leaves import Leaf, Processors, columns, swap_rewrite, under
+from surgery.core.registry import Family, Rewrite
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 # The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
 PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)

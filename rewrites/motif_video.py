@@ -9,7 +9,7 @@ self- and cross-attention that split heads by head size so that they run column-
 | `MotifVideoCrossAttention`         | processor `MotifVideoCrossAttnProcessor2_0` -> head-dim twin               |
 
 diffusers' Motif processors reshape with the stored head count (`unflatten(2, (attn.heads, -1))`); their twins
-(`surgery.leaves.head_dim_twin`) are the stock source with `unflatten(2, (-1, attn.head_dim))`.
+(`surgery.core.leaves.head_dim_twin`) are the stock source with `unflatten(2, (-1, attn.head_dim))`.
 
 A single block's optional text cross-attention (`enable_text_cross_attention_single`) reads the block's attention
 output, which is column-sharded (each rank's heads) under tensor parallelism, and adds its output back to it. Its plan
@@ -34,11 +34,11 @@ from diffusers.models.transformers.transformer_motif_video import (
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from rewrites.longcat_image import flux_like_rewrites, rope_axes
-from surgery.leaves import Processors, swap_rewrite, under
-from surgery.registry import Family
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.tensor_parallel import per_head_norm
+from surgery_rewrites.longcat_image import flux_like_rewrites, rope_axes
+from surgery.core.leaves import Processors, swap_rewrite, under
+from surgery.core.registry import Family
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.parallel.plans import per_head_norm
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (

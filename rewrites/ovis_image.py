@@ -7,11 +7,11 @@ projection, the double-stream blocks' SwiGLU feed-forwards, and attention proces
 |                                   | with one edit, see below); `proj_mlp` -> `SplitRows` (`.up`, `.gate`: views),    |
 |                                   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor  |
 | `FeedForward` with a `SwiGLU`     | `SplitSwiGLUFeedForward`: net.0.proj rows -> `.proj_up`, `.proj_gate`            |
-| `OvisImageAttention`              | processor `OvisImageAttnProcessor` -> its head-dim twin (`surgery.leaves`)       |
+| `OvisImageAttention`              | processor `OvisImageAttnProcessor` -> its head-dim twin (`surgery.core.leaves`)       |
 
 The single block's `proj_mlp` holds two row blocks, `up` then `gate` (`up * silu(gate)`), and the stock forward splits
 its output by the global widths (`torch.split(..., [mlp_hidden_dim, mlp_hidden_dim])`), which a rank holding half of
-each cannot run: the block's twin (`surgery.leaves.twin`, edits listed in `surgery.leaves.EDITS`) halves whatever
+each cannot run: the block's twin (`surgery.core.leaves.twin`, edits listed in `surgery.core.leaves.EDITS`) halves whatever
 width it gets instead. `unfuse` names the twin beside the stock class in the model's `_repeated_blocks` and
 `_no_split_modules`, and diffusers' block registry knows it under the stock class's metadata.
 """
@@ -30,17 +30,17 @@ from diffusers.models.transformers.transformer_ovis_image import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from rewrites.longcat_image import (
+from surgery_rewrites.longcat_image import (
     ATTENTION_TP_PLAN,
     HEAD_NORM,
     flux_like_inputs,
     flux_like_rewrites,
     reduced,
 )
-from surgery.leaves import Processors, recast, rows, twin, under
-from surgery.registry import Family, Rewrite
-from surgery.slicing import row_slices
-from surgery.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.core.leaves import Processors, recast, rows, twin, under
+from surgery.core.registry import Family, Rewrite
+from surgery.core.slicing import row_slices
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 
 OvisImageUnfusedSingleTransformerBlock = twin(
     OvisImageSingleTransformerBlock, "OvisImageUnfusedSingleTransformerBlock", method="forward"

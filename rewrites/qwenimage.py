@@ -21,10 +21,10 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
-from surgery.leaves import runs_twin
-from surgery.registry import Family
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import runs_twin
+from surgery.core.registry import Family
+from surgery.parallel.plans import per_head_norm
 
 # QK-norms act on each rank's own heads: the processor normalizes [batch, seq, heads, head_dim].
 HEAD_NORM = per_head_norm(2)
@@ -47,7 +47,7 @@ ATTENTION_TP_PLAN = {
 }
 
 # Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads: QwenImage's,
-# and the head-dim twins `unfuse` installs (HunyuanImage's and HunyuanVideo's blocks, see `surgery.leaves`): this one
+# and the head-dim twins `unfuse` installs (HunyuanImage's and HunyuanVideo's blocks, see `surgery.core.leaves`): this one
 # plan serves every `Attention` that can be sharded. `Attention` is diffusers' shared class: an `Attention` running any
 # other processor (most reshape with `attn.heads`) is not planned and stays whole on every rank.
 HEAD_DIM_PROCESSORS = (QwenDoubleStreamAttnProcessor2_0,)

@@ -16,9 +16,9 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError
-from surgery.registry import Family
-from surgery.tensor_parallel import per_head_norm
+from surgery.core.errors import SurgeryError
+from surgery.core.registry import Family
+from surgery.parallel.plans import per_head_norm
 
 # QK-norms act on each rank's own heads: the processors normalize [batch, seq, heads, head_dim].
 HEAD_NORM = per_head_norm(2)

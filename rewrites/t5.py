@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.checks import SurgeryError, mesh_sizes_dividing
-from surgery.registry import Family
+from surgery.core.errors import SurgeryError
+from surgery.core.checks import mesh_sizes_dividing
+from surgery.core.registry import Family
 
 _MODELING = "transformers.models.t5.modeling_t5"
 

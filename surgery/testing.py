@@ -14,10 +14,10 @@ from unittest import mock
 import torch
 import torch.nn as nn
 
-from .distributed import CollectiveCounter, run_on_cpu_ranks
-from .inspect import default_dtype
-from .registry import Family, family_of, model_class
-from .verify import rel_err
+from surgery.parallel.distributed import CollectiveCounter, run_on_cpu_ranks
+from surgery.core.build import default_dtype
+from surgery.core.registry import Family, family_of, model_class
+from surgery.core.build import seeded_model
 
 __all__ = [
     "CollectiveCounter",
@@ -33,24 +33,6 @@ __all__ = [
     "single_rank_group",
     "snapshot",
 ]
-
-
-def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """`family`'s model built from `config`, every weight (norm scales and biases too) drawn from `seed`, in eval mode.
-
-    Matrices are N(0, 1/fan_in), vectors N(1, 0.1): no parameter is left at an initializer's zeros or ones, so a
-    rewrite that dropped or swapped one shows in the outputs.
-    """
-    torch.manual_seed(seed)
-    with default_dtype(dtype):
-        model = model_class(family)(**config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
-            else:
-                param.normal_(1.0, 0.1)
-    return model.eval()
 
 
 def example_inputs(family: Family, config: dict, **kwargs) -> dict:
@@ -114,3 +96,9 @@ def assert_unchanged(model: nn.Module, snap: tuple) -> None:
     for name, (pid, value) in params.items():
         assert id(now[name]) == pid, f"{name}: another Parameter object"
         assert torch.equal(now[name].detach(), value), f"{name}: other values"
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, computed in fp64."""
+    actual, expected = actual.double(), expected.double()
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
-from surgery.inspect import local, local_bytes
-from surgery.registry import Family, families, model_class
+from surgery.sight.report import local, local_bytes
+from surgery.core.registry import Family, families, model_class
 from surgery.testing import CollectiveCounter, diffusers_packed_tp, rel_err, seeded_model
 
 FP32_TOL, BF16_TOL = 1e-5, 3e-2

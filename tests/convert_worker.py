@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import surgery
-import surgery.checkpoint as checkpoint
+import surgery.io.checkpoint as checkpoint
 
 
 def stall(src: str, dst: str, marker: str, after: int = 6) -> None:

@@ -7,7 +7,7 @@ import copy
 import torch
 from diffusers import Flux2Transformer2DModel
 
-from rewrites.flux2 import FAMILY, example_inputs, seeded_model
+from surgery_rewrites.flux2 import FAMILY, example_inputs, seeded_model
 from surgery.testing import assert_unchanged, rel_err, snapshot  # noqa: F401  (re-exported for the tests)
 
 SMALL_CONFIGS = FAMILY.test_configs

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
-from surgery.inspect import local as _local, local_bytes
+from surgery.sight.report import local as _local, local_bytes
 from flux2_testing import build, inputs, rel_err, small_config
 
 

@@ -141,21 +141,21 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
     model = sharded()
     # a file: each rank reads only its slices (safetensors slices), through the fused -> unfused split
     read = []
-    stock_read = surgery.lora_tp.LazyFactor.read
+    stock_read = surgery.integration.lora_tp.LazyFactor.read
 
     def counting(self, rows=None, cols=None):
         tensor = stock_read(self, rows, cols)
         read.append(tensor.numel())
         return tensor
 
-    with mock.patch.object(surgery.lora_tp.LazyFactor, "read", counting):
+    with mock.patch.object(surgery.integration.lora_tp.LazyFactor, "read", counting):
         model.load_lora_adapter(files["one"], adapter_name="one", weight_name="pytorch_lora_weights.safetensors")
     out["elements read"] = sum(read)
     out["elements held"] = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
                                for n, p in model.named_parameters() if "lora_" in n)
     out["elements in the file"] = sum(v.numel() for v in load_file(
         files["one"] / "pytorch_lora_weights.safetensors").values())
-    a = model.get_submodule(next(p for p in surgery.lora_tp.linear_styles(model)
+    a = model.get_submodule(next(p for p in surgery.integration.lora_tp.linear_styles(model)
                                  if p.startswith("single_transformer_blocks.0")))
     out["placements"] = sorted({f"{type(p).__name__}{tuple(p.placements) if isinstance(p, DTensor) else ''}"
                                 for n, p in model.named_parameters() if "lora_" in n})

@@ -11,7 +11,7 @@ from diffusers import (
     Flux2Pipeline,
 )
 
-from rewrites.flux2 import seeded_model
+from surgery_rewrites.flux2 import seeded_model
 
 TEXT_LAYERS = (1, 2, 3)
 HIDDEN = 32

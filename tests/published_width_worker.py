@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
-from surgery.inspect import local
-from surgery.registry import families, model_class
+from surgery.sight.report import local
+from surgery.core.registry import families, model_class
 from surgery.testing import CollectiveCounter, rel_err
 
 DTYPE = torch.bfloat16
@@ -51,7 +51,7 @@ def fast_seeded(family, config: dict, seed: int = 0, dtype: torch.dtype = DTYPE)
     `seeded_model` costs ~25 s per GB on one core; this ~2 s."""
     from accelerate import init_empty_weights
 
-    from surgery.inspect import default_dtype
+    from surgery.core.build import default_dtype
 
     generator = torch.Generator().manual_seed(seed)
     block = torch.randn(2 * PERIOD, generator=generator).to(dtype)
@@ -273,7 +273,7 @@ def user_paths(rank: int, world: int, family_name: str, variant: str, depth: dic
         lap("context_parallel")
 
     if "demo" in paths:  # the demo's rank code (`surgery demo`): seeded fused reference, unfuse, tensor_parallel(None), compare
-        from surgery.demo import tp_rank
+        from surgery.app.demo import tp_rank
 
         result = tp_rank(rank, world, family_name, config, 0, "bfloat16", tuple(TOKENS.values()))
         r["demo"] = result["error"]

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
 from flux2_testing import build, small_config
-from surgery import saving
+from surgery.io import saving
 
 HANDSHAKE_S = 3
 CONFIG = small_config("tp_wide")

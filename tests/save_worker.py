@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import surgery
 from flux2_testing import build, small_config
 from load_worker import PeakMemory
-from surgery.inspect import local_bytes
+from surgery.sight.report import local_bytes
 
 
 def _mismatched(folder: str, reference: torch.nn.Module) -> list[str]:
@@ -53,8 +53,8 @@ def round_trip(rank: int, world: int, root: str, name: str, seed: int, dtype_nam
 def peak_memory(rank: int, world: int, root: str) -> dict:
     """Peak owned memory of this rank while `surgery.save_pretrained` writes a TP model (klein-4B-shaped, reduced
     depth, bf16), with this rank's shard and the largest tensor for scale."""
-    from rewrites.flux2 import seeded_model
-    from surgery.demo import demo_config
+    from surgery_rewrites.flux2 import seeded_model
+    from surgery.app.demo import demo_config
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed buffers go back to the system
     mesh = init_device_mesh("cpu", (world,))

@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 
 import surgery
-from surgery import atomic, saving
+from surgery.io import atomic, saving
 from flux2_testing import build, small_config
 
 TESTS = Path(__file__).parent
@@ -214,7 +214,7 @@ class NeverAbsent(Case):
 
 
 def saving_owns(name: str) -> bool:
-    from surgery.checkpoint import owns
+    from surgery.io.checkpoint import owns
 
     return owns(name)
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import surgery
-import surgery.rewrite
+import surgery.core.rewrite
 from surgery.testing import single_rank_group
 from flux2_testing import assert_unchanged, build, small_config, snapshot
 
@@ -88,7 +88,7 @@ class Refusals(unittest.TestCase):
         self.assert_refused(r"'transformer_blocks.0.ff.linear_in.up.weight' has shape \(100, 48\)", surgery.fuse)
 
     def test_failure_midway_rolls_back(self):
-        convert, calls = surgery.rewrite._convert, []
+        convert, calls = surgery.core.rewrite._convert, []
 
         def failing(module, rewrite, unfusing, *rest):
             calls.append(unfusing)
@@ -98,7 +98,7 @@ class Refusals(unittest.TestCase):
 
         snap = snapshot(self.model)
         state = {k: v.clone() for k, v in self.model.state_dict().items()}
-        with mock.patch.object(surgery.rewrite, "_convert", failing), self.assertRaises(MemoryError):
+        with mock.patch.object(surgery.core.rewrite, "_convert", failing), self.assertRaises(MemoryError):
             surgery.unfuse(self.model)
         self.assertEqual(calls, [True] * 4)  # the old modules themselves go back, nothing is converted back
         self.assertEqual([type(m) for _, m in self.model.named_modules()], [t for _, _, t in snap[0]])
@@ -173,7 +173,7 @@ class InputErrorsAreOneClearLine(unittest.TestCase):
         import tempfile
         from pathlib import Path
 
-        from surgery.cli import main
+        from surgery.app.cli import main
 
         for name, what in (("utils", "no diffusers model class"), ("DiffusionPipeline", "a pipeline class, not a model"),
                            (None, "no diffusers model class")):
@@ -193,7 +193,7 @@ class InputErrorsAreOneClearLine(unittest.TestCase):
         import contextlib
         import io
 
-        from surgery.cli import main
+        from surgery.app.cli import main
 
         for port in ("70000", "0"):
             stderr = io.StringIO()

@@ -28,10 +28,10 @@ from parameterized import parameterized
 from safetensors.torch import load_file, save_file
 
 import surgery
-import surgery.checkpoint as checkpoint
+import surgery.io.checkpoint as checkpoint
 from flux2_testing import build, small_config
 from surgery.testing import run_on_cpu_ranks, single_rank_group
-from surgery.inspect import local
+from surgery.sight.report import local
 
 ROOT = Path(tempfile.mkdtemp(prefix="surgery-ckpt-"))
 TESTS = Path(__file__).parent
@@ -179,7 +179,7 @@ class Interrupted(Workspace):
         def refuse(*args, **kwargs):
             raise OSError(errno.EROFS, "Read-only file system", str(self.ws))
 
-        with mock.patch("surgery.atomic.tempfile.mkdtemp", refuse):
+        with mock.patch("surgery.io.atomic.tempfile.mkdtemp", refuse):
             self.assert_refused_untouched(r"cannot write beside '.*out': Read-only file system",
                                           surgery.convert_checkpoint, self.other, self.dst, overwrite=True)
 
@@ -235,7 +235,7 @@ class OldCheckpointInDestination(Workspace):
     @parameterized.expand([("one_file", "10GB", True), ("sharded", "200KB", True),
                            ("two_renames", "200KB", False)])  # where renameat2 is missing: rename old away, new in
     def test_overwrite_replaces_it_whole(self, _, max_shard_size, renameat2):
-        with mock.patch("surgery.atomic._renameat2", return_value=False) if not renameat2 else contextlib.nullcontext():
+        with mock.patch("surgery.io.atomic._renameat2", return_value=False) if not renameat2 else contextlib.nullcontext():
             surgery.convert_checkpoint(unfused_checkpoint(), self.dst, to="fused", overwrite=True,
                                        max_shard_size=max_shard_size)
         written = {p.name for p in self.dst.glob("diffusion_pytorch_model*")}
@@ -418,7 +418,7 @@ class CommandLine(Workspace):
 
     def test_user_errors(self):
         """In this process (an exception other than SystemExit would fail the test with its traceback)."""
-        from surgery.cli import main
+        from surgery.app.cli import main
 
         (self.ws / "B").mkdir()
         (self.ws / "B" / "config.json").write_text("{}")
@@ -491,8 +491,8 @@ class ShardedConversion(Workspace):
 
     def test_peak_memory_is_about_one_tensor(self):
         """A checkpoint of some hundreds of MB (klein-4B-shaped, reduced depth) converted into 50 MB shards."""
-        from rewrites.flux2 import seeded_model
-        from surgery.demo import demo_config
+        from surgery_rewrites.flux2 import seeded_model
+        from surgery.app.demo import demo_config
 
         big = ROOT / "cache" / "klein4b-demo"
         if not big.exists():

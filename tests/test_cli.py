@@ -10,7 +10,7 @@ from unittest import mock
 
 from parameterized import parameterized
 
-from surgery.cli import main
+from surgery.app.cli import main
 
 
 def surgery_command(*args: str) -> subprocess.CompletedProcess:
@@ -57,7 +57,7 @@ class HelpAndNames(unittest.TestCase):
     name broken at a hyphen, and an alias that two families could mean refused with both."""
 
     def test_names(self):
-        from surgery.registry import model_names, resolve_model
+        from surgery.core.registry import model_names, resolve_model
 
         names = model_names()
         self.assertIn("bria-fibo", names)
@@ -78,7 +78,7 @@ class HelpAndNames(unittest.TestCase):
         self.assertIn("flux2-dev", line)
 
     def test_help_lists_whole_names(self):
-        from surgery.registry import model_names
+        from surgery.core.registry import model_names
 
         for command in ("plan", "demo", "inspect", "explore"):
             out = io.StringIO()

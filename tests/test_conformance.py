@@ -24,11 +24,13 @@ from safetensors.torch import load_file
 
 import conformance_worker as W
 import surgery
-from surgery.inspect import fake_process_group, local_bytes, model_on_meta
-from surgery.registry import model_class
-from surgery.slicing import group_by_fused
+from surgery.parallel.distributed import fake_process_group
+from surgery.sight.report import local_bytes
+from surgery.core.build import model_on_meta
+from surgery.core.registry import model_class
+from surgery.core.slicing import group_by_fused
 from surgery.testing import rel_err, run_on_cpu_ranks
-from surgery.walk import find_modules
+from surgery.core.walk import find_modules
 
 CASES = W.family_cases()
 TP_CASES = W.family_cases(tp_only=True)
@@ -160,7 +162,7 @@ PLANS_ONLY = [(f.name,) for f in W.conformant_families() if not f.rewrites]
 class PlansOnly(unittest.TestCase):
     @parameterized.expand(PLANS_ONLY, name_func=_name)
     def test_nothing_to_unfuse_and_the_plans_are_diffusers(self, family_name):
-        from surgery.interop import diffusers_tp_plan
+        from surgery.integration.interop import diffusers_tp_plan
 
         family = surgery.families()[family_name]
         for variant in family.variants:

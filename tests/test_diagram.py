@@ -13,12 +13,12 @@ import torch
 from diffusers import Flux2Transformer2DModel
 
 import surgery
-from surgery.walk import find_modules
+from surgery.core.walk import find_modules
 from flux2_testing import build, small_config
-from rewrites.flux2 import CONFIGS, example_inputs
-from surgery import diagram
-from surgery.cli import main
-from surgery.inspect import default_dtype
+from surgery_rewrites.flux2 import CONFIGS, example_inputs
+from surgery.sight import diagram
+from surgery.app.cli import main
+from surgery.core.build import default_dtype
 import page_width as PW
 
 try:
@@ -208,7 +208,7 @@ class Forms(unittest.TestCase):
 class Explorer(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from surgery import explore
+        from surgery.sight import explore
 
         cls.graphs = klein9b_forms()[3]
         cls.tmp = tempfile.TemporaryDirectory()
@@ -266,7 +266,7 @@ class Explorer(unittest.TestCase):
         self.assertTrue(self.overlay("bytes per rank")["rank 0 of 8 (tensor parallel)"]["hideInChildrenStatsTable"])
 
     def test_looked_through_ops_fold_into_one_layer(self):
-        from surgery.explore import LOOKED_THROUGH
+        from surgery.sight.explore import LOOKED_THROUGH
 
         with open(self.files["graphs"]) as f:
             rank = json.load(f)["graphCollections"][0]["graphs"][2]["nodes"]
@@ -332,13 +332,13 @@ class Commands(unittest.TestCase):
 
     @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
     def test_explore_from_inspect_in_a_notebook(self):
-        from rewrites.flux2 import FAMILY
+        from surgery_rewrites.flux2 import FAMILY
 
         config = FAMILY.test_configs["tp_wide"]
-        model = surgery.inspect.model_on_meta(FAMILY, config)
+        model = surgery.core.build.model_on_meta(FAMILY, config)
         inputs = FAMILY.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
         with tempfile.TemporaryDirectory() as tmp:
-            files = surgery.inspect.explore(model, inputs, tp=2, out_dir=tmp, serve=False)
+            files = surgery.sight.explore.explore(model, inputs, tp=2, out_dir=tmp, serve=False)
             self.assertTrue(os.path.exists(files["graphs"]))
             self.assertEqual(len(files["node_data"]), 3)  # placement, bytes per rank, all-reduce bytes
             self.assertTrue(all(os.path.exists(path) for path in files["node_data"].values()))
@@ -351,7 +351,7 @@ class Commands(unittest.TestCase):
             seen["printed"] = out.getvalue()
 
         out = io.StringIO()
-        with tempfile.TemporaryDirectory() as tmp, mock.patch("surgery.explore.serve_files", serve), \
+        with tempfile.TemporaryDirectory() as tmp, mock.patch("surgery.sight.explore.serve_files", serve), \
                 contextlib.redirect_stdout(out):
             code = main(["explore", "--config", self.config, "--out", tmp, "--port", "8123"])
         self.assertEqual(code, 0)
@@ -418,7 +418,7 @@ class OtherFamilies(unittest.TestCase):
         for name in ("flux1", "hunyuan-video"):
             family = surgery.families()[name]
             config = next(iter(family.test_configs.values()))
-            model = surgery.inspect.model_on_meta(family, config)
+            model = surgery.core.build.model_on_meta(family, config)
             inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
             for graph in diagram.forms(model, inputs, tp=2):
                 with self.subTest(family=name, graph=graph.title):

@@ -1,7 +1,7 @@
-"""Drift: every edit `surgery.leaves` makes to a diffusers method still finds its text in the installed diffusers.
+"""Drift: every edit `surgery.core.leaves` makes to a diffusers method still finds its text in the installed diffusers.
 
 No diffusers forward or processor is copied into this repository: the twins are the installed stock source with the
-edits listed in `surgery.leaves.EDITS` (one place). When a diffusers release changes an original, its edit no longer
+edits listed in `surgery.core.leaves.EDITS` (one place). When a diffusers release changes an original, its edit no longer
 fits and this test names it, instead of a frozen copy silently diverging.
 """
 
@@ -11,8 +11,8 @@ import textwrap
 import unittest
 
 import surgery
-from surgery import leaves
-from surgery.checks import SurgeryError
+from surgery.core import leaves
+from surgery.core.errors import SurgeryError
 
 
 def _owner(key: str):

@@ -13,7 +13,7 @@ from parameterized import parameterized
 
 import conformance_worker as W
 import surgery
-from surgery.interop import BLOCK_NAME_LISTS
+from surgery.integration.interop import BLOCK_NAME_LISTS
 
 FAMILIES = [(f.name,) for f in W.conformant_families()]
 

@@ -13,10 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from rewrites.flux1 import FluxSplitQKVAttention
-from surgery.inspect import fake_process_group
+from surgery_rewrites.flux1 import FluxSplitQKVAttention
+from surgery.parallel.distributed import fake_process_group
 from surgery.testing import assert_unchanged, rel_err, snapshot
-from surgery.walk import find_modules
+from surgery.core.walk import find_modules
 
 CASES = [("flux1", "tp_dev"), ("chroma", "tp_hd")]
 

@@ -13,9 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from surgery.leaves import head_dim_twin
-from surgery.registry import families
-from surgery.split_projection import SplitRows
+from surgery.core.leaves import head_dim_twin
+from surgery.core.registry import families
+from surgery.core.split_projection import SplitRows
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks
 
 PUBLISHED = families()["flux3"].config()

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from surgery.registry import families
+from surgery.core.registry import families
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
-from surgery.walk import find_modules
+from surgery.core.walk import find_modules
 
 CONFIG = dict(families()["hunyuan-image"].test_configs["tp_wide"], num_refiner_layers=1)
 REFINER = "context_embedder.token_refiner.refiner_blocks.0"

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from surgery.leaves import head_dim_twin
-from surgery.tensor_parallel import validate
+from surgery.core.leaves import head_dim_twin
+from surgery.parallel.tensor_parallel import validate
 
 HunyuanVideoHeadDimAttnProcessor = head_dim_twin(HunyuanVideoAttnProcessor2_0)
 HunyuanVideoHeadDimRefinerAttnProcessor = head_dim_twin(AttnProcessor2_0)

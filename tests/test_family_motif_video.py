@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from surgery.registry import families
+from surgery.core.registry import families
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
 
 CONFIG = dict(

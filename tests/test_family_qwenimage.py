@@ -14,8 +14,9 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
-from surgery.inspect import fake_process_group, model_on_meta
-from surgery.interop import diffusers_tp_plan
+from surgery.parallel.distributed import fake_process_group
+from surgery.core.build import model_on_meta
+from surgery.integration.interop import diffusers_tp_plan
 from surgery.testing import seeded_model
 
 

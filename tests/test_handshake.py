@@ -1,4 +1,4 @@
-"""The handshake in `surgery.agreement.all_ranks_called` (issue 18): a verb called on some ranks only raises within
+"""The handshake in `surgery.parallel.agreement.all_ranks_called` (issue 18): a verb called on some ranks only raises within
 the timeout, naming the ranks that did not come, and the next call on every rank meets again. Two threads play two
 ranks over one in-memory store (the spawned TP save test runs the same through gloo)."""
 
@@ -11,7 +11,7 @@ from unittest import mock
 import torch.distributed as dist
 
 import surgery
-from surgery import agreement
+from surgery.parallel import agreement
 
 
 class TwoRanks:

@@ -9,9 +9,9 @@ from parameterized import parameterized
 
 import surgery
 from flux2_testing import build, small_config
-from rewrites.flux2 import CONFIGS
-from surgery import inspect, render
-from surgery.cli import main
+from surgery_rewrites.flux2 import CONFIGS
+from surgery.sight import report as inspect, render
+from surgery.app.cli import main
 
 
 class RewriteTable(unittest.TestCase):

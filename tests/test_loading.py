@@ -16,7 +16,7 @@ import load_worker
 import surgery
 from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, small_config
-from surgery.cli import main as surgery_main
+from surgery.app.cli import main as surgery_main
 from surgery.testing import single_rank_group
 
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
@@ -96,10 +96,10 @@ class ShardedLoad(unittest.TestCase):
             self.assertEqual(result["mismatched"], [])
 
     def test_repo_id_resolves_to_the_local_cache(self):
-        folder = surgery.checkpoint.resolve_checkpoint("acme/flux2-tiny", cache_dir=hub_cache())
+        folder = surgery.io.checkpoint.resolve_checkpoint("acme/flux2-tiny", cache_dir=hub_cache())
         self.assertEqual(sorted(os.listdir(folder)), sorted(os.listdir(checkpoint("tp_wide-fp32-single"))))
         with self.assertRaisesRegex(surgery.SurgeryError, "not in the local Hugging Face cache"):
-            surgery.checkpoint.resolve_checkpoint("acme/absent", cache_dir=hub_cache())
+            surgery.io.checkpoint.resolve_checkpoint("acme/absent", cache_dir=hub_cache())
 
 
 # Peak memory of a sharded load (each rank owns about its shard plus the largest tensor it reads) is measured in

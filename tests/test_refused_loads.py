@@ -116,7 +116,7 @@ class EveryFamily(unittest.TestCase):
     columns too many is refused (strict=False too)."""
 
     def test_either_layout_loads_and_a_resized_fused_tensor_is_refused(self):
-        from surgery.registry import families
+        from surgery.core.registry import families
         from surgery.testing import seeded_model
 
         for name, family in sorted(families().items()):

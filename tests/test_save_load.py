@@ -19,7 +19,7 @@ import save_worker
 import surgery
 from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
-from surgery import saving
+from surgery.io import saving
 
 FP32_TOL = 1e-5
 

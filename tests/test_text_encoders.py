@@ -13,9 +13,9 @@ from parameterized import parameterized
 import surgery
 import text_encoder_testing as E
 import text_encoder_worker as W
-from surgery.pipeline import pipeline_plan
+from surgery.parallel.pipeline import pipeline_plan
 from surgery.testing import run_on_cpu_ranks
-from surgery.transformers_plans import STOCK_STYLES, stock_plan
+from surgery.parallel.transformers_plans import STOCK_STYLES, stock_plan
 
 FP32_TOL, BF16_TOL = 1e-5, 3e-2
 
@@ -122,7 +122,7 @@ class Loading(unittest.TestCase):
 class PipelinePlan(unittest.TestCase):
     def test_every_recorded_pipeline_is_planned_under_its_model_name(self):
         # a key that is no `--model` name (`bria-fibo-fibo`) made `plan --pipeline` refuse the family it records
-        from surgery.registry import model_names
+        from surgery.core.registry import model_names
 
         names = set(model_names())
         for family in surgery.families().values():

@@ -7,8 +7,8 @@ from unittest import mock
 import torch
 
 import surgery
-from surgery.walk import find_modules
-import surgery.rewrite
+from surgery.core.walk import find_modules
+import surgery.core.rewrite
 from surgery.testing import single_rank_group
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 
@@ -255,7 +255,7 @@ class Rollback(unittest.TestCase):
         if verb is surgery.fuse:
             surgery.unfuse(model, optimizer=optimizer)
         snap, grads, opt_snap = snapshot(model), grad_snapshot(model), optimizer_snapshot(optimizer)
-        original, calls = getattr(surgery.rewrite, patch), []
+        original, calls = getattr(surgery.core.rewrite, patch), []
         to_out = model.single_transformer_blocks[0].attn.to_out  # column-split: released once swapped
         to_out = getattr(to_out, "attn_part", to_out).weight
         released = []
@@ -267,7 +267,7 @@ class Rollback(unittest.TestCase):
                 raise error
             return original(*args)
 
-        with mock.patch.object(surgery.rewrite, patch, failing), self.assertRaises(type(error)):
+        with mock.patch.object(surgery.core.rewrite, patch, failing), self.assertRaises(type(error)):
             verb(model, optimizer=optimizer)
         self.assertEqual(released, [True])  # the failure came after single block 0 released its column copies
         assert_unchanged(model, snap)  # the same module and Parameter objects, with their values
@@ -306,7 +306,7 @@ class Rollback(unittest.TestCase):
 class Cost(unittest.TestCase):
     def test_no_garbage_collector_scan_when_nothing_else_holds_the_parameters(self):
         model = build(CONFIG)
-        with mock.patch.object(surgery.rewrite.gc, "get_objects", wraps=surgery.rewrite.gc.get_objects) as scan:
+        with mock.patch.object(surgery.core.rewrite.gc, "get_objects", wraps=surgery.core.rewrite.gc.get_objects) as scan:
             surgery.fuse(surgery.unfuse(model))
             self.assertEqual(scan.call_count, 0)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: F841 - holds them now

@@ -94,8 +94,8 @@ class PlanOnMeta(unittest.TestCase):
     """`surgery plan --tp 4 --cp 2 [--dp 2]`: full-size klein-4B on meta under the fake process group, in-process."""
 
     def test_collectives_by_kind_and_bytes_match_the_arithmetic(self):
-        from rewrites.flux2 import CONFIGS, FAMILY
-        from surgery import inspect
+        from surgery_rewrites.flux2 import CONFIGS, FAMILY
+        from surgery.sight import report as inspect
 
         config = CONFIGS["klein-4b"]
         double, single = config["num_layers"], config["num_single_layers"]
@@ -116,7 +116,7 @@ class PlanOnMeta(unittest.TestCase):
         import contextlib
         import io
 
-        from surgery.cli import main
+        from surgery.app.cli import main
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
@@ -144,7 +144,7 @@ class Refusals(unittest.TestCase):
         # ranks 0 and 1 (the first CP rank of each CP group) hold the model Ulysses cannot split; 2 and 3 do not
         for rank, result in enumerate(results()):
             self.assertRegex(result["refusals"]["one_rank"], r"6 heads / TP 2 = 3 heads per tensor-parallel rank")
-            # the same message on every rank, naming the ranks that refused (surgery.agreement over the whole job)
+            # the same message on every rank, naming the ranks that refused (surgery.parallel.agreement over the whole job)
             self.assertRegex(result["refusals"]["one_rank"], r"^surgery.context_parallel: ranks 0, 1: .*"
                                                              r"\(ranks 2, 3 stopped with it\)$")
 

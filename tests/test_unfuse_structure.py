@@ -16,8 +16,8 @@ from parameterized import parameterized
 import surgery
 from surgery.testing import keep_attention_backend
 from flux2_testing import build, small_config
-from rewrites.flux2 import CONFIGS
-from surgery.split_projection import SplitProjection, SplitRows
+from surgery_rewrites.flux2 import CONFIGS
+from surgery.core.split_projection import SplitProjection, SplitRows
 
 FUSED_NAMES = ("to_qkv_mlp_proj", "linear_in", "to_qkv", "to_added_qkv")
 

@@ -129,8 +129,8 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
     """One layer of a published encoder at its published width, bf16, from `rewrites/pipelines.py`'s configs."""
     import importlib
 
-    from rewrites import pipelines
-    from surgery.inspect import default_dtype
+    from surgery_rewrites import pipelines
+    from surgery.core.build import default_dtype
 
     spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL,
             "qwen25_vl_text": pipelines.QWEN25_VL_7B}[name]

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 import text_encoder_testing as E
-from surgery.verify import rel_err
+from surgery.testing import rel_err
 
 
 def _sharded(encoder) -> list[str]:

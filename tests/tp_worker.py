@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 from surgery.testing import CollectiveCounter, diffusers_packed_tp
-from surgery.inspect import local_bytes
+from surgery.sight.report import local_bytes
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 from test_unfuse_equivalence import use_kv_processors
 
@@ -120,7 +120,7 @@ def check_place(rank, mesh) -> dict:
     """The host-side placement used when weights sit on another device than the mesh, run here on CPU."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from surgery.tensor_parallel import place
+    from surgery.parallel.tensor_parallel import place
 
     mine = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
     rank0 = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 from surgery.testing import CollectiveCounter
-from surgery.context_parallel import attention_processors
+from surgery.parallel.context_parallel import attention_processors
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 from test_unfuse_equivalence import use_kv_processors
 

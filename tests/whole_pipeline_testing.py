@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import pipeline_testing as P
-from surgery.registry import families
+from surgery.core.registry import families
 from surgery.testing import seeded_model
 
 HIDDEN = 32
@@ -24,7 +24,7 @@ def flux1_pipeline(seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from rewrites.flux1 import small
+    from surgery_rewrites.flux1 import small
 
     clip_tok, t5_tok = _tokenizer(16), _tokenizer()
     torch.manual_seed(seed)
@@ -48,7 +48,7 @@ def qwenimage_pipeline(seed: int = 0):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from rewrites.qwenimage import _small
+    from surgery_rewrites.qwenimage import _small
 
     tok = _tokenizer()
     torch.manual_seed(seed)

@@ -57,7 +57,7 @@ def _loading():
 
 def _install_unfuse() -> None:
     import surgery
-    from surgery.registry import model_class
+    from surgery.core.registry import model_class
 
     classes = []
     for family in surgery.families().values():

@@ -1,0 +1,91 @@
+"""Building a registered family's model from a config: on meta for plans, or with seeded weights for tests."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from surgery.core.errors import SurgeryError
+from surgery.core.registry import Family, model_class, resolve_model
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules directly in `dtype` (no `.to()` pass over the parameters afterwards)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def resolve_config(model: str | dict, family: Family | None = None) -> tuple[Family, dict]:
+    """`(family, config)` for a `--model` name, or for a config dict of `family`'s model class."""
+    if isinstance(model, str):
+        family, variant = resolve_model(model)
+        return family, family.config(variant)
+    if family is None:
+        raise SurgeryError("pass family= with a config dict (surgery.core.registry.families() lists them), or a model name.")
+    return family, dict(model)
+
+
+def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None) -> nn.Module:
+    """`family`'s model built from `config` on the meta device (nothing allocated), in `dtype` if given.
+
+    A config the model class cannot be built from raises `SurgeryError` naming the family and the argument.
+    """
+    cls = model_class(family)
+    check_config(family, config)
+    try:
+        with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()):
+            model = cls(**config)
+    except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as error:
+        raise SurgeryError(f"{family.name}: {cls.__name__} cannot be built from this config: {error}") from None
+    # As `from_pretrained(torch_dtype=...)` loads it: the modules diffusers keeps in float32 (FLUX.3's QK-norms) stay
+    # float32, so bytes per rank and the meta forward's dtypes are the published model's.
+    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    if keep and model.dtype in (torch.float16, torch.bfloat16):
+        for name, module in model.named_modules():
+            if any(k in name.split(".") for k in keep):
+                module.float()
+    return model
+
+
+def check_config(family: Family, config: dict) -> None:
+    """Unknown arguments and non-positive sizes in a config, named before the model class sees them."""
+    cls = model_class(family)
+    parameters = pyinspect.signature(cls.__init__).parameters
+    unknown = sorted(k for k in config if k not in parameters)
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise SurgeryError(
+            f"{family.name}: {cls.__name__} takes no argument {unknown[0]!r}"
+            f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}: is this config of another model?"
+        )
+    for key, value in config.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and (
+            key.startswith("num_") or key.endswith(("_dim", "_heads", "channels"))
+        ):
+            raise SurgeryError(f"{family.name}: config {key}={value}; it must be at least 1.")
+
+
+def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """`family`'s model built from `config`, every weight (norm scales and biases too) drawn from `seed`, in eval mode.
+
+    Matrices are N(0, 1/fan_in), vectors N(1, 0.1): no parameter is left at an initializer's zeros or ones, so a
+    rewrite that dropped or swapped one shows in the outputs.
+    """
+    torch.manual_seed(seed)
+    with default_dtype(dtype):
+        model = model_class(family)(**config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+            else:
+                param.normal_(1.0, 0.1)
+    return model.eval()

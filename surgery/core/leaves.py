@@ -1,0 +1,337 @@
+"""Swap leaves and processors, keep diffusers' classes and forwards: the one mechanism every family's rewrites use.
+
+diffusers finds blocks by class name (`_repeated_blocks` for regional compile, `_no_split_modules` for device maps,
+the cache hooks' registries) and modules by path (TaylorSeer's `^single_transformer_blocks.*attn`). So an unfused
+module keeps its stock class and forward; only what differs is swapped:
+
+- a fused Linear child becomes a leaf that computes the same function behind the same call (`SplitProjection` for a
+  Linear over a concatenation, `SplitRows` for a Linear whose rows are several projections; see
+  `surgery.core.split_projection`);
+- where a stock attention processor reshapes by the stored head count (`unflatten(-1, (attn.heads, -1))`, wrong on
+  a rank that holds `heads / N` of them), the processor is swapped, through diffusers' own extension point
+  (`set_processor`), for its head-dim twin: the stock processor's own source with the edits listed in
+  `EDITS` applied (heads split by `head_dim`), compiled at import time against the stock module's globals.
+  No processor code is copied here; `tests/test_drift.py` checks each edit still finds its text in the installed
+  diffusers source.
+
+`swap_rewrite` builds the `Rewrite` for one stock class: the same class in both forms, told apart by their leaves
+(or processors). Its builders `recast` the module: a new instance of the same class sharing every child but the
+swapped ones, so `fuse` gives back the stock structure bitwise and a failed swap leaves the original untouched.
+The engine names no family: the families' files in `rewrites/` say which children and processors to swap.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+from surgery.core.errors import SurgeryError
+from surgery.core.registry import Rewrite
+from surgery.core.slicing import Slice
+from surgery.core.split_projection import (
+    ATTN_PART,
+    MLP_PART,
+    SplitProjection,
+    SplitRows,
+    fused_linear_like,
+    split_projection_like,
+    split_projection_slices,
+    split_rows_like,
+    split_rows_slices,
+)
+
+
+def recast(module: nn.Module, cls: type[nn.Module] | None = None, **replace: nn.Module) -> nn.Module:
+    """A new `cls` (default: `module`'s own class) holding `module`'s attributes, parameters, buffers and children;
+    `module` is left as it was. Each keyword names a child and gives what takes its place (same name, same order), so
+    a rewrite and its inverse give back `named_modules()` in diffusers' order.
+
+    torch has no such constructor, `copy.copy` would share `_modules` itself, and the stock constructors would rebuild
+    (then discard) every submodule from arguments the modules do not keep.
+    """
+    cls = cls or type(module)
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    machinery = set(vars(new))
+    vars(new).update({k: v for k, v in vars(module).items() if k not in machinery})
+    new._parameters.update(module._parameters)
+    new._buffers.update(module._buffers)
+    new._non_persistent_buffers_set.update(module._non_persistent_buffers_set)
+    for name, child in module._modules.items():
+        new._modules[name] = replace.get(name, child)
+    new.training = module.training
+    return new
+
+
+def under(prefix: str, plan: dict) -> dict:
+    """`plan` (keys relative to a module) with its keys relative to a parent that holds the module at `prefix`: how a
+    block's literal plan composes a shared module's plan (`{**under("proj_out", SPLIT_PROJECTION_TP_PLAN)}`)."""
+    return {".".join(p for p in (prefix, key) if p): style for key, style in plan.items()}
+
+
+# --- leaves ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A fused `nn.Linear` child `name` of a module and how it splits.
+
+    `kind="rows"`: `parts(module)` gives the output rows' parts `[(part name, rows)]`, in order (a `SplitRows`).
+    `kind="columns"`: `parts(module)` gives `[(ATTN_PART, attention columns), (MLP_PART, mlp columns)]`; the input
+    is `cat([attention, mlp], -1)` and the bias stays with the attention part (a `SplitProjection`).
+    `parts` reads the module's attributes, the same in either form.
+    """
+
+    name: str
+    kind: str
+    parts: Callable[[nn.Module], list[tuple[str, int]]]
+
+    def child(self, module: nn.Module) -> nn.Module | None:
+        return getattr(module, self.name, None)
+
+    def fused(self, module: nn.Module) -> bool:
+        # anything but the split form: a Linear, or one wrapped (PEFT, quantized), which the engine's checks refuse
+        child = self.child(module)
+        return child is not None and not isinstance(child, (SplitRows, SplitProjection))
+
+    def unfused(self, module: nn.Module) -> bool:
+        return type(self.child(module)) is (SplitRows if self.kind == "rows" else SplitProjection)
+
+    def slices(self, module: nn.Module) -> list[Slice]:
+        child = self.child(module)
+        if self.kind == "rows":  # the module's declared sizes, either form: a resized part is caught by the engine
+            return split_rows_slices(self.name, child, self.parts(module))
+        return split_projection_slices(self.name, child, attn_features=self.parts(module)[0][1])
+
+    def other_form(self, module: nn.Module) -> nn.Module:
+        child = self.child(module)
+        if not self.fused(module):
+            return fused_linear_like(child)
+        if self.kind == "rows":
+            return split_rows_like(child, self.parts(module))
+        return split_projection_like(child, self.parts(module)[0][1])
+
+
+def rows(name: str, parts: Callable[[nn.Module], list[tuple[str, int]]]) -> Leaf:
+    """A fused Linear child whose output rows are `parts(module)`, in order (q/k/v; SwiGLU gate/up)."""
+    return Leaf(name, "rows", parts)
+
+
+def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
+    """A fused Linear child that reads `cat([attention output, mlp hidden], -1)`; `attn_features(module)` is the
+    attention's width."""
+
+    return Leaf(name, "columns", lambda m: [(ATTN_PART, attn_features(m)), (MLP_PART, -1)])
+
+
+# --- twins: stock methods with listed edits, compiled from the installed diffusers source ---------------------------
+
+# Every edit made to a stock method's source, in one place: `(stock text, replacement, occurrences)`. The stock text
+# must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
+# release that changes the original is noticed, not silently copied around.
+HEADS_BY_COUNT = ("(attn.heads, -1)", "(-1, attn.head_dim)")
+# diffusers' generic `Attention` keeps no head_dim: the global sizes give it
+HEADS_BY_WIDTH = ("(attn.heads, -1)", "(-1, attn.inner_dim // attn.heads)")
+_T = "diffusers.models.transformers."
+EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
+    # joint-attention processors that reshape by the stored head count: split by head_dim instead
+    _T + "transformer_longcat_image.LongCatImageAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
+    _T + "transformer_ovis_image.OvisImageAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
+    # Bria-Fibo runs it in a generic `Attention` too
+    _T + "transformer_bria.BriaAttnProcessor.__call__": ((*HEADS_BY_WIDTH, 6),),
+    _T + "transformer_bria_fibo.BriaFiboAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
+    _T + "transformer_flux3.Flux3AttnProcessor.__call__": ((*HEADS_BY_COUNT, 3),),
+    _T + "transformer_hunyuanimage.HunyuanImageAttnProcessor.__call__": ((*HEADS_BY_WIDTH, 6),),
+    _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0.__call__": ((*HEADS_BY_WIDTH, 6),),
+    _T + "transformer_motif_video.MotifVideoAttnProcessor2_0.__call__": ((*HEADS_BY_COUNT, 6),),
+    _T + "transformer_motif_video.MotifVideoCrossAttnProcessor2_0.__call__": ((*HEADS_BY_COUNT, 3),),
+    # Ovis-Image's single block splits its gated MLP by the global widths: halves of whatever width the rank holds
+    _T + "transformer_ovis_image.OvisImageSingleTransformerBlock.forward": (
+        ("torch.split(\n        self.proj_mlp(norm_hidden_states), [self.mlp_hidden_dim, self.mlp_hidden_dim], dim=-1\n    )",
+         "self.proj_mlp(norm_hidden_states).chunk(2, dim=-1)", 1),
+    ),
+    # diffusers' generic processor (HunyuanVideo's token refiner runs it): head_dim from the global sizes, heads
+    # counted from the local width, and the mask (prepare_attention_mask repeats one mask per sample over the heads:
+    # the same for each head) kept once, broadcast over however many heads the rank holds.
+    "diffusers.models.attention_processor.AttnProcessor2_0.__call__": (
+        ("head_dim = inner_dim // attn.heads", "head_dim = attn.inner_dim // attn.heads", 1),
+        ("view(batch_size, -1, attn.heads, head_dim)", "view(batch_size, -1, inner_dim // head_dim, head_dim)", 3),
+        ("reshape(batch_size, -1, attn.heads * head_dim)", "reshape(batch_size, -1, inner_dim)", 1),
+        ("attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])",
+         "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])[:, :1]", 1),
+    ),
+}
+
+_twins: dict[type, type] = {}
+_stocks: dict[type, type] = {}
+
+
+def qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def edited_source(stock: type, method: str = "__call__") -> str:
+    """The source of `stock.<method>` with its listed edits applied; raises if any edit no longer fits."""
+    key = f"{qualified(stock)}.{method}"
+    edits = EDITS.get(key)
+    if edits is None:
+        raise SurgeryError(f"{key} has no edits listed in surgery.core.leaves.EDITS.")
+    source = textwrap.dedent(inspect.getsource(getattr(stock, method)))
+    for old, new, count in edits:
+        found = source.count(old)
+        if found != count:
+            raise SurgeryError(
+                f"{key} holds {old!r} {found} times, not {count}: the installed diffusers changed it. Review "
+                "surgery.core.leaves.EDITS against its new source."
+            )
+        source = source.replace(old, new)
+    return source
+
+
+def twin(stock: type, name: str, method: str = "__call__") -> type:
+    """A subclass of `stock` named `name` whose `method` is the stock one with its listed edits, compiled against
+    the stock module's globals. Registered with diffusers' processor and block registries under the stock class's
+    metadata (the layer-skip and cache hooks look classes up exactly)."""
+    if stock in _twins:
+        return _twins[stock]
+    namespace: dict = {}
+    code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} with surgery.core.leaves.EDITS>",
+                   "exec")
+    exec(code, getattr(stock, method).__globals__, namespace)
+    cls = type(name, (stock,), {
+        method: namespace[method],
+        "__module__": __name__,
+        "__doc__": f"`{qualified(stock)}` with the edits listed in surgery.core.leaves.EDITS.",
+    })
+    try:  # diffusers' hooks find a processor's or a block's metadata by its exact class; the twin shares the stock one's
+        from diffusers.hooks._helpers import AttentionProcessorRegistry, TransformerBlockRegistry
+
+        for registry in (AttentionProcessorRegistry, TransformerBlockRegistry):
+            try:
+                registry.register(cls, registry.get(stock))
+            except ValueError:
+                pass
+    except ImportError:
+        pass
+    _twins[stock], _stocks[cls] = cls, stock
+    return cls
+
+
+def head_dim_twin(stock: type) -> type:
+    """The twin of processor class `stock` whose heads are split by `head_dim`: the same code runs on the whole module
+    and on each rank's share of the heads."""
+    return twin(stock, f"HeadDim{stock.__name__}")
+
+
+def runs_twin(module: nn.Module) -> bool:
+    """Whether `module` runs a twin processor made here (heads split by `head_dim`: it can run column-sharded)."""
+    return type(getattr(module, "processor", None)) in _stocks
+
+
+def translate(processor, unfusing: bool):
+    """`processor` as its twin (unfusing) or its stock class (fusing), keeping its state (attention backend, context
+    parallel config); any other processor is returned as is."""
+    cls = type(processor)
+    counterpart = _twins.get(cls) if unfusing else _stocks.get(cls)
+    if counterpart is None:
+        return processor
+    translated = counterpart.__new__(counterpart)
+    translated.__dict__.update(processor.__dict__)
+    return translated
+
+
+@dataclass(frozen=True)
+class Processors:
+    """The stock processor classes of some attention modules that need head-dim twins (built on creation)."""
+
+    stock: tuple[type, ...]
+    twins: tuple[type, ...] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "twins", tuple(head_dim_twin(cls) for cls in self.stock))
+
+    def fused(self, attention: nn.Module) -> bool:
+        return type(getattr(attention, "processor", None)) in self.stock
+
+    def unfused(self, attention: nn.Module) -> bool:
+        return type(getattr(attention, "processor", None)) in self.twins
+
+    def swapped(self, attention: nn.Module, unfusing: bool) -> nn.Module:
+        """A recast of `attention` running the other form's processor (itself, where its processor is neither)."""
+        if not (self.fused(attention) if unfusing else self.unfused(attention)):
+            return attention
+        new = recast(attention)
+        new.set_processor(translate(attention.processor, unfusing))
+        return new
+
+
+# --- the rewrite -------------------------------------------------------------------------------------------------
+
+
+def swap_rewrite(
+    name: str,
+    cls: type[nn.Module],
+    leaves: tuple[Leaf, ...] = (),
+    processors: Processors | None = None,
+    children: dict[str, Processors | Callable[[nn.Module, bool], nn.Module]] | None = None,
+    check: Callable[[nn.Module, str, str], None] | None = None,
+    unfused_class: type[nn.Module] | None = None,
+) -> Rewrite:
+    """The rewrite of a stock `cls` whose `leaves` are swapped (and whose own processor, where `processors` is given,
+    is swapped for its twin); the class, the forward and every other child stay.
+
+    `children` converts children along (the engine does not visit modules nested in one it rewrites): a `Processors`
+    swaps that child attention's processor; a function `fn(child, unfusing)` returns the child in the new form
+    (itself where nothing changes). The form is told by the leaves (all fused Linears / all split), or, for a module
+    without leaves, by its own and its children's processors. `unfused_class`, only where the stock forward itself
+    cannot run the leaves (a `twin` of `cls`): the unfused form's class; `unfuse` then names it beside the stock one
+    in the model's `_repeated_blocks` and `_no_split_modules` (surgery.integration.interop).
+    """
+    unfused_class = unfused_class or cls
+    children = dict(children or {})
+    twins = [(c, p) for c, p in children.items() if isinstance(p, Processors)]
+
+    def processor_forms(m: nn.Module, unfusing: bool) -> list[bool]:
+        own = [processors] if processors is not None else []
+        found = [(m, p) for p in own] + [(getattr(m, c), p) for c, p in twins if getattr(m, c, None) is not None]
+        return [p.fused(a) if unfusing else p.unfused(a) for a, p in found]
+
+    def fused(m: nn.Module) -> bool:
+        if leaves:
+            return all(leaf.fused(m) for leaf in leaves)
+        return any(processor_forms(m, True))
+
+    def unfused(m: nn.Module) -> bool:
+        if leaves:
+            return all(leaf.unfused(m) for leaf in leaves)
+        return not any(processor_forms(m, True)) and any(processor_forms(m, False))
+
+    def slices(m: nn.Module) -> list[Slice]:
+        return [s for leaf in leaves for s in leaf.slices(m)]
+
+    def build(m: nn.Module, unfusing: bool) -> nn.Module:
+        replace = {leaf.name: leaf.other_form(m) for leaf in leaves}
+        for child, convert in children.items():
+            if getattr(m, child, None) is not None:
+                convert = convert.swapped if isinstance(convert, Processors) else convert
+                replace[child] = convert(getattr(m, child), unfusing)
+        new = recast(m, unfused_class if unfusing else cls, **replace)
+        if processors is not None and (processors.fused(m) if unfusing else processors.unfused(m)):
+            new.set_processor(translate(m.processor, unfusing))
+        return new
+
+    return Rewrite(
+        name=name,
+        fused=cls,
+        unfused=unfused_class,
+        slices=slices,
+        build_unfused=lambda m: build(m, True),
+        build_fused=lambda m: build(m, False),
+        is_fused=fused,
+        is_unfused=unfused,
+        check=check or (lambda m, path, verb: None),
+    )

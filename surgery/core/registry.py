@@ -1,0 +1,253 @@
+"""The registry: each model family's descriptor, its rewrites and its tensor-parallel plans.
+
+Each module of the built-in families' package (`rewrites/`, installed as `surgery_rewrites`) exports `FAMILY`, a
+`Family`, and registers it when `import surgery` loads that package. Other packages add
+their own with `register_family` (or, for pieces only, `register` and `register_tp_plan`). Everything that serves
+more than one family — the CLI, the demo, the planner, inspection, the benchmarks, the notebooks and the conformance
+suite — looks a family up here, by name or by the model's class; the engine itself never imports a family's module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+from surgery.core.errors import SurgeryError
+from surgery.core.slicing import Slice
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+def _no_check(module: nn.Module, path: str, verb: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """One fused module class and its equivalent unfused form.
+
+    `slices(module)` lists, for either form, which rows/columns of each fused parameter each unfused parameter is.
+    `build_unfused` / `build_fused` return the other form's structure on the meta device, sharing every submodule that
+    is not a slice target; the engine fills the slice targets. Neither builder may mutate its argument.
+    """
+
+    name: str
+    fused: type[nn.Module]
+    unfused: type[nn.Module]
+    slices: Callable[[nn.Module], list[Slice]]
+    build_unfused: Callable[[nn.Module], nn.Module]
+    build_fused: Callable[[nn.Module], nn.Module]
+    is_fused: Callable[[nn.Module], bool] = field(default=_always)
+    # Where both forms are one class (a stock class whose leaves or processors are swapped), what tells the unfused
+    # form apart; the two predicates must never both accept a module.
+    is_unfused: Callable[[nn.Module], bool] = field(default=_always)
+    # Family-specific checks run before anything changes, on either form: `check(module, path, verb)`.
+    check: Callable[[nn.Module, str, str], None] = field(default=_no_check)
+    # False where diffusers checkpoints never hold the fused keys (a run-time fusion like `fuse_qkv_projections`).
+    in_checkpoints: bool = True
+
+    def matches_fused(self, module: nn.Module) -> bool:
+        return type(module) is self.fused and self.is_fused(module)
+
+    def matches_unfused(self, module: nn.Module) -> bool:
+        return type(module) is self.unfused and self.is_unfused(module)
+
+
+@dataclass(frozen=True, repr=False)
+class Family:
+    """Everything the tools need to know about one model family, declared in its `rewrites/<family>.py`.
+
+    `model_class` is the diffusers (or transformers) class, or its qualified name where importing it would cost a
+    library. `variants` maps a published checkpoint's short name to its config (init arguments of `model_class`);
+    `sources` says where those numbers come from. `example_inputs(config, batch=, image_tokens=, text_tokens=, seed=,
+    dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `test_configs` are small configs
+    (same structure, tiny widths) the conformance suite runs on CPU; `reduced(config)` shrinks a published config to
+    demo size (depth and head size, same head count). `all_reduces(config)` is the number of all-reduces one forward
+    should make under `surgery.tensor_parallel`.
+    """
+
+    name: str
+    model_class: type[nn.Module] | str | None  # None: a file of plans for modules that several families share
+    variants: dict[str, dict] = field(default_factory=dict)
+    sources: str = ""
+    default_variant: str | None = None
+    example_inputs: Callable[..., dict] | None = None
+    rewrites: tuple[Rewrite, ...] = ()
+    tp_plans: dict = field(default_factory=dict)
+    tp_checks: dict = field(default_factory=dict)
+    # class -> `when(module)`: the class's plan applies only to the modules it accepts; the others stay whole
+    # (replicated). For diffusers' shared classes (`Attention`) whose modules only some families can shard.
+    tp_when: dict = field(default_factory=dict)
+    all_reduces: Callable[[dict], int] | None = None
+    test_configs: dict[str, dict] = field(default_factory=dict)
+    reduced: Callable[[dict], dict] | None = None
+    # other names `--model` accepts for a variant (kept so that older command lines still work)
+    aliases: dict[str, str] = field(default_factory=dict)
+    # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
+    # published pipeline holds besides its transformer (`surgery plan --pipeline` builds each on meta)
+    pipelines: dict[str, dict] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"Family({self.name!r}, variants={sorted(self.variants)})"
+
+    def config(self, variant: str | None = None) -> dict:
+        variant = variant or self.default_variant
+        if variant not in self.variants:
+            raise SurgeryError(f"model family {self.name!r} has no variant {variant!r}; known: {sorted(self.variants)}.")
+        return dict(self.variants[variant])
+
+    def model_name(self, variant: str | None = None) -> str:
+        """The `--model` name of a variant: `<family>-<variant>`, or the family's name alone where they are equal."""
+        variant = variant or self.default_variant
+        # A variant named like the family (`qwen-image`) or like its last word (`bria-fibo`'s `fibo`) is the family's
+        # name alone, not `bria-fibo-fibo`.
+        if variant == self.name or self.name.endswith(f"-{variant}"):
+            return self.name
+        return f"{self.name}-{variant}"
+
+    def model_names(self) -> list[str]:
+        """The `--model` names of this family's variants."""
+        return [self.model_name(v) for v in self.variants]
+
+
+_registry: list[Rewrite] = []
+_tp_plans: dict[type[nn.Module] | str, dict] = {}
+_tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
+_tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
+_families: dict[str, Family] = {}
+
+
+def register(*rewrites: Rewrite) -> None:
+    """Add rewrites for a model family that lives outside the `rewrites` package."""
+    for rewrite in rewrites:
+        if any(r.name == rewrite.name for r in _registry):
+            raise ValueError(f"A rewrite named {rewrite.name!r} is already registered.")
+        _registry.append(rewrite)
+
+
+def register_tp_plan(
+    cls: type[nn.Module] | str,
+    plan: dict,
+    check: Callable[[nn.Module, str, int], None] | None = None,
+    when: Callable[[nn.Module], bool] | None = None,
+) -> None:
+    """Declare how `surgery.tensor_parallel` shards modules of exactly class `cls`.
+
+    `cls` may be a class or its qualified name ("package.module.Class"), so that a family's plans cost no import of
+    the library that defines it. `plan` maps submodule paths relative to the module to stock `ParallelStyle`s; the
+    key `""` is the module itself. `check(module, path, world_size)` raises `SurgeryError` for sizes the mesh cannot
+    split (beyond the generic checks). `when(module)`, if given, limits the plan to the modules it accepts (the
+    others of the class stay whole on every rank). A class has one plan: a module class shared by several families (diffusers'
+    `FeedForward`) is planned once, in `rewrites/diffusers_common.py`.
+    """
+    if _tp_plans.get(cls, plan) is not plan:
+        raise ValueError(f"{cls!r} already has a tensor-parallel plan; a module class is planned in one place only.")
+    _tp_plans[cls] = plan
+    if check is not None:
+        _tp_checks[cls] = check
+    if when is not None:
+        _tp_when[cls] = when
+
+
+def register_family(family: Family) -> None:
+    """Register a model family: its descriptor, its rewrites and its tensor-parallel plans."""
+    if family.name in _families:
+        raise ValueError(f"A model family named {family.name!r} is already registered.")
+    _families[family.name] = family
+    register(*family.rewrites)
+    for cls, plan in family.tp_plans.items():
+        register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+
+def registered() -> tuple[Rewrite, ...]:
+    """Every registered rewrite."""
+    return tuple(_registry)
+
+
+def tp_plan_for(module: nn.Module) -> tuple[dict | None, Callable | None]:
+    """The registered plan and check for `module`'s exact class (by class or by qualified name); none where the
+    plan's `when` declines the module."""
+    cls = type(module)
+    key = cls if cls in _tp_plans else qualified_name(cls)
+    when = _tp_when.get(key)
+    if when is not None and not when(module):
+        return None, None
+    return _tp_plans.get(key), _tp_checks.get(key)
+
+
+def tp_plans() -> dict[type[nn.Module] | str, dict]:
+    """Every registered tensor-parallel plan, by module class (or qualified class name)."""
+    return dict(_tp_plans)
+
+
+def families() -> dict[str, Family]:
+    """Every registered model family, by name."""
+    return dict(_families)
+
+
+def model_class(family: Family) -> type[nn.Module]:
+    """The family's model class, imported if it was given by qualified name."""
+    cls = family.model_class
+    if isinstance(cls, str):
+        module, _, name = cls.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    return cls
+
+
+def family_of(model: nn.Module | type) -> Family:
+    """The family whose model class `model` is (an instance or a class)."""
+    cls = model if isinstance(model, type) else type(model)
+    for family in families().values():
+        if family.model_class in (cls, qualified_name(cls)):
+            return family
+    raise SurgeryError(
+        f"no registered model family describes {cls.__name__}; known: "
+        f"{', '.join(sorted(f.name for f in families().values() if f.variants))}. Register one with "
+        "surgery.register_family."
+    )
+
+
+def _ambiguous(family: Family, alias: str) -> list[str]:
+    """The `--model` names an alias could mean: more than one where another family has a variant of that name
+    (`dev`: flux1-dev or flux2-dev); empty where the alias is unambiguous."""
+    meant = [f.model_name(alias) for f in families().values() if f is not family and alias in f.variants]
+    return [family.model_name(family.aliases[alias]), *meant] if meant else []
+
+
+def model_names(by_family: bool = False) -> list[str] | dict[str, list[str]]:
+    """Every name `--model` accepts: each family alone (its default variant), `<family>-<variant>`, and the
+    unambiguous aliases (`klein-9b`); with `by_family`, the same names grouped by family."""
+    grouped = {}
+    for family in families().values():
+        if family.variants:
+            aliases = [a for a in family.aliases if not _ambiguous(family, a)]
+            grouped[family.name] = list(dict.fromkeys([family.name, *family.model_names(), *aliases]))
+    return grouped if by_family else [n for names in grouped.values() for n in names]
+
+
+def resolve_model(name: str) -> tuple[Family, str]:
+    """`(family, variant)` for a `--model` name: `flux2-klein-9b`, `flux1-dev`, `chroma` (a family's default), or an
+    alias a family keeps for older command lines (`klein-9b`)."""
+    for family in families().values():
+        if not family.variants:
+            continue
+        if name in family.aliases:
+            candidates = _ambiguous(family, name)
+            if candidates:
+                raise SurgeryError(f"model {name!r} is ambiguous: say {' or '.join(candidates)}.")
+            return family, family.aliases[name]
+        if name == family.name:
+            return family, family.default_variant or next(iter(family.variants))
+        if name.startswith(family.name + "-") and name[len(family.name) + 1 :] in family.variants:
+            return family, name[len(family.name) + 1 :]
+    raise SurgeryError(f"unknown model {name!r}; known: {', '.join(sorted(model_names()))}.")

@@ -1,0 +1,39 @@
+"""Walking a model: the registered fused/unfused modules in it, and the modules a tensor-parallel plan covers.
+
+A leaf of the engine (it imports only the registry): the rewrite verbs, tensor parallelism, the state-dict key map,
+inspection and the diffusers interop all find their modules here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch.nn as nn
+
+from surgery.core.registry import Rewrite, registered
+
+T = TypeVar("T")
+
+
+def outermost(model: nn.Module, match: Callable[[nn.Module], T | None]) -> list[tuple[str, nn.Module, T]]:
+    """`(path, module, match(module))` for each module that `match` accepts, skipping those nested in one already found."""
+    found: list[tuple[str, nn.Module, T]] = []
+    for path, module in model.named_modules():
+        if any(p == "" or path == p or path.startswith(p + ".") for p, _, _ in found):
+            continue
+        hit = match(module)
+        if hit is not None:
+            found.append((path, module, hit))
+    return found
+
+
+def find_modules(model: nn.Module, fused: bool) -> list[tuple[str, nn.Module, Rewrite]]:
+    """`(path, module, rewrite)` for every module in fused (or unfused) form, outermost first, not nested."""
+    rewrites = registered()
+
+    def match(module: nn.Module) -> Rewrite | None:
+        return next((r for r in rewrites if (r.matches_fused if fused else r.matches_unfused)(module)), None)
+
+    return outermost(model, match)
+
+

@@ -1,0 +1,422 @@
+"""Save any model (fused, unfused, or sharded with tensor parallelism) as the stock diffusers checkpoint.
+
+`surgery.save_pretrained(model, folder)` writes what `fuse` + diffusers' `save_pretrained` would write: the fused
+(diffusers) layout, diffusers' shard names and index, and `config.json`, into a temporary sibling folder that is
+swapped into place when complete (`surgery.io.atomic`, which keeps the folder's other files). It holds about one tensor
+in memory beyond the model:
+
+- an unsharded model: each fused tensor is written from its parts one part (row splits) or one block of rows
+  (column splits) at a time;
+- a tensor-parallel model: torch's distributed checkpoint (`torch.distributed.checkpoint`, its Hugging Face
+  safetensors writer) writes every rank's shards and consolidates them into full tensors of the unfused layout, one
+  file per tensor; rank 0 then streams those into diffusers' fused layout and shard files, as above.
+
+`state_dict()` itself stays in the unfused layout (its keys match `named_parameters()`), which torch's distributed
+checkpoint, FSDP2, PEFT and optimizers rely on; `fused_layout(model)` turns it fused for the length of one
+`save_pretrained` call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from surgery.core.errors import SurgeryError
+from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
+from surgery.core.state_dict import key_map
+from surgery.io.atomic import Staged, destination, staged_folder
+from surgery.io.checkpoint import _DTYPES, _safetensors_dtype, owns, shard_bytes
+from surgery.parallel.agreement import agree, agree_and_share
+
+# Column splits are joined in blocks of rows of about this many bytes.
+_BLOCK_BYTES = 4 << 20
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
+
+
+def _checkpoint_slices(model: nn.Module) -> list[Slice]:
+
+    return key_map(model)
+
+
+def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
+    """The fused layout's keys in the order the fused model lists them, from a state dict's `names` (either layout).
+
+    Each fused key takes the place of its first part (to_qkv_mlp_proj where to_q was, ...), which is the stock
+    module's parameter order. `(name, None)` is a key copied as it is; `(fused name, slices)` joins its parts.
+    """
+    groups = dict(group_by_fused(slices))
+    first_part = {group[0].unfused: (fused, group) for fused, group in groups.items()}
+    parts = {s.unfused for s in slices}
+    out: list[tuple[str, list[Slice] | None]] = []
+    present = set(names)
+    for name in names:
+        if name in first_part:
+            fused, group = first_part[name]
+            # `to_out.weight` is a key in both layouts: only a full set of parts is the unfused layout
+            if all(s.unfused in present for s in group) and (len(group) > 1 or fused != name):
+                out.append((fused, group))
+                continue
+        if name in parts and name not in groups:
+            continue  # a later part of a fused key emitted above
+        out.append((name, None))
+    return out
+
+
+@contextmanager
+def fused_layout(model: nn.Module) -> Iterator[None]:
+    """While inside, `model.state_dict()` is in the fused (diffusers) layout: what diffusers' `save_pretrained` reads.
+
+    A state-dict hook on `model` only, removed on exit: nobody else sees fused keys.
+    """
+    slices = _checkpoint_slices(model)
+
+    def hook(module, state_dict, prefix, local_metadata):
+        names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
+        values = {name: state_dict.pop(prefix + name) for name in names}
+        for name, group in fused_order(names, [s for s in slices if s.unfused in values]):
+            if group is None:
+                state_dict[prefix + name] = values[name]
+            else:
+                state_dict[prefix + name] = concat([values[s.unfused] for s in group], group[0].dim)[0]
+        return state_dict
+
+    handle = model._register_state_dict_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# --- where tensors come from: the model's own tensors, or full tensors that DCP consolidated ----------------------
+
+
+class _ModelTensors:
+    """Full tensors of an unsharded model's state dict."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.tensors = {k: v.detach() for k, v in state_dict.items()}
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        t = self.tensors[name]
+        return t.dtype, tuple(t.shape)
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        return (t if rows is None else t[rows]).cpu()
+
+
+class _FileTensors:
+    """Full tensors in safetensors files (DCP's consolidated output), read one tensor or one block of rows at a time.
+
+    Each read opens its file and lets it go, so that no file stays mapped (a model's worth of files, one per tensor).
+    """
+
+    def __init__(self, folder: Path, order: list[str]):
+        from safetensors import safe_open
+
+
+        # DCP's own output (`model-0000k-of-0000n.safetensors`, written by us a moment ago): every file is read, not
+        # only the names diffusers would pick.
+        self.files = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as f:
+                self.files.update({name: file for name in f.keys()})
+        self.order = order
+        self._dtypes = _DTYPES
+
+    def names(self) -> list[str]:
+        return self.order
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            piece = f.get_slice(name)
+            return self._dtypes[piece.get_dtype()], tuple(piece.get_shape())
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+
+
+# --- writing -------------------------------------------------------------------------------------------------------
+
+Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]
+
+
+def _entries(source, slices: list[Slice]) -> list[Entry]:
+    """(name, dtype, shape, pieces) of every tensor of the fused layout; `pieces()` yields its bytes in order."""
+    entries: list[Entry] = []
+    for name, group in fused_order(source.names(), slices):
+        if group is None:
+            dtype, shape = source.meta(name)
+            entries.append((name, dtype, shape, lambda n=name: iter([source.read(n)])))
+            continue
+        dtype, first = source.meta(group[0].unfused)
+        shape = fused_shape(first, group)
+        parts = [s.unfused for s in group]
+        if group[0].dim == 0:  # rows: the parts' bytes one after another
+            pieces = lambda parts=parts: (source.read(p) for p in parts)  # noqa: E731
+        else:  # columns: blocks of rows of every part side by side
+            row_bytes = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size())
+            step = max(1, _BLOCK_BYTES // row_bytes)
+            pieces = lambda parts=parts, n=shape[0], step=step, dim=group[0].dim: (  # noqa: E731
+                torch.cat([source.read(p, slice(i, min(i + step, n))) for p in parts], dim=dim)
+                for i in range(0, n, step)
+            )
+        entries.append((name, dtype, shape, pieces))
+    return entries
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_file(path: Path, entries: list[Entry], metadata: dict[str, str]) -> None:
+    """One safetensors file whose tensors are written piece by piece, laid out as safetensors lays them out.
+
+    By hand because safetensors' writers take whole tensors (and `save_file` copies them into one buffer first).
+    safetensors orders tensors by dtype (widest alignment first), then name; so does this, so that a file of one
+    dtype is byte for byte what `save_file` writes.
+    """
+
+    entries = sorted(entries, key=lambda e: (-torch.empty((), dtype=e[1]).element_size(), e[0]))
+
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, _ in entries:
+        size = _nbytes(dtype, shape)
+        header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)))
+        out.write(encoded)
+        for name, dtype, shape, pieces in entries:
+            written = 0
+            for piece in pieces():
+                if piece.dtype != dtype:
+                    raise RuntimeError(f"{name}: a piece of dtype {piece.dtype}, declared {dtype}")
+                data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
+                out.write(memoryview(data))
+                written += data.nbytes
+            if written != _nbytes(dtype, shape):
+                raise RuntimeError(f"{name}: wrote {written} bytes for {dtype} {shape}")
+
+
+def _write_checkpoint(folder: Path, entries: list[Entry], max_shard_size: int | str, variant: str | None) -> None:
+    """diffusers' file layout: shards named and grouped as `save_pretrained` names and groups them, plus the index."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    weights_name = _add_variant(SAFETENSORS_WEIGHTS_NAME, variant)
+    by_name = {e[0]: e for e in entries}
+    split = split_state_dict_into_shards_factory(
+        by_name,
+        get_storage_size=lambda e: _nbytes(e[1], e[2]),
+        filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"),
+        max_shard_size=max_shard_size,
+    )
+    for filename, names in split.filename_to_tensors.items():
+        _write_file(folder / filename, [by_name[n] for n in names], {"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(text)
+
+
+VERB = "surgery.save_pretrained"
+
+
+def _check(model: nn.Module, folder, max_shard_size) -> Path:
+    """Every refusal of a save, before anything is written; returns the destination, resolved."""
+
+    if not hasattr(model, "save_config"):
+        raise SurgeryError(
+            f"{VERB}: {type(model).__name__} is not a diffusers model (no save_config); pass the "
+            "transformer, e.g. pipe.transformer."
+        )
+    target = destination(folder, VERB)
+    shard_bytes(max_shard_size)
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise SurgeryError(f"{VERB}: the model is quantized; save it with model.save_pretrained.")
+    peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
+    if peft:
+        raise SurgeryError(
+            f"{VERB}: '{peft[0]}' is wrapped by a LoRA adapter. Save the adapter with "
+            "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
+        )
+    return target
+
+
+def save_pretrained(
+    model: nn.Module, folder: str | os.PathLike, *, max_shard_size: int | str = "10GB", variant: str | None = None
+) -> Path:
+    """Write `model` (fused, unfused or tensor-parallel) as the stock diffusers checkpoint in `folder`; returns it.
+
+    The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
+    names, index and `config.json`), so stock `from_pretrained` loads them. The save owns only those files: they are
+    written into a temporary sibling and swapped into place when complete (`surgery.io.atomic`), and every other file of
+    an existing `folder` (a README, LoRA weights, `samples/`) is kept. A pipeline's root folder is refused (pass its
+    `transformer/`); a second save to the same folder while one runs is refused. A tensor-parallel model must be
+    saved from every rank at once, to one folder every rank sees (rank 0 writes the final files); a rank that never
+    calls it makes the others raise after `SURGERY_HANDSHAKE_TIMEOUT` seconds (default 30). Returns the folder,
+    resolved.
+    """
+    if not is_sharded(model):
+
+        target = _check(model, folder, max_shard_size)
+        slices = _checkpoint_slices(model)
+        with staged_folder(target, owns, VERB) as staged:
+            _write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            model.save_config(staged)
+        return target
+    return _save_sharded(model, folder, max_shard_size, variant)
+
+
+def _own_failure(error: BaseException, rank: int) -> BaseException | None:
+    """This rank's own error inside torch's distributed checkpoint, which wraps every rank's into one
+    `CheckpointException` raised on all of them (None when this rank's part succeeded)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(error, CheckpointException):
+        return error
+    mine = error.failures.get(rank)
+    return None if mine is None else mine[0]
+
+
+def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
+    """Every rank: checks and a handshake, then torch's distributed checkpoint into a temporary folder that rank 0
+    creates; rank 0 streams it into the fused layout and swaps it into place. Four small exchanges (`agree`) make a
+    failure on any rank raise on every rank, naming that rank and its own error."""
+    import secrets
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+
+    if not dist.is_initialized():
+        raise SurgeryError(f"{VERB}: the model is sharded but torch.distributed is not initialized.")
+    rank = dist.get_rank()
+    staged: Staged | None = None
+    marker = ".surgery-save"
+
+    def prepare() -> tuple[Path, str | None, str | None]:
+        nonlocal staged
+        target = _check(model, folder, max_shard_size)
+        if rank != 0:
+            return target, None, None
+        staged = Staged(target, owns, VERB)
+        token = secrets.token_hex(8)
+        (staged.path / marker).write_text(token)
+        return target, staged.path.name, token
+
+    def discard(view: Path | None) -> None:
+        if staged is not None:
+            staged.discard()
+        elif view is not None:
+            shutil.rmtree(view, ignore_errors=True)
+
+    try:
+        (target, _, _), shared = agree_and_share(None, "save_pretrained", prepare, lambda r: (r[0].name, *r[1:]))
+    except BaseException:
+        discard(None)
+        raise
+    names = [name for name, _, _ in shared]
+    _, staged_name, token = shared[0]
+    tmp = target.parent / staged_name
+
+    def same_folder():
+        # before anything is written: every rank names the same folder and sees the one rank 0 created
+        if names[rank] != names[0]:
+            raise SurgeryError(f"its folder '{target}' is not rank 0's (named '{names[0]}'): pass the same folder on "
+                               "every rank.")
+        try:
+            seen = (tmp / marker).read_text()
+        except OSError:
+            seen = None
+        if seen != token:
+            raise SurgeryError(
+                f"it does not see the temporary folder rank 0 created beside its destination ('{tmp}' is "
+                "absent here): pass the same folder on every rank, on a file system that every rank shares."
+            )
+        state_dict = model.state_dict()
+        # Every rank writes its own shards; DCP consolidates them (on rank 0) into full tensors, one file per tensor
+        # so that no rank buffers more than one tensor. DCP names files `model-0000i-of-0000N` with its own index,
+        # and cannot join the unfused parts into diffusers' fused keys: that pass follows, streaming.
+        writer = HuggingFaceStorageWriter(
+            str(tmp / "dcp"),
+            fqn_to_index_mapping={name: i + 1 for i, name in enumerate(state_dict)},
+            save_distributed=True,
+            enable_consolidation=True,
+        )
+        return state_dict, writer
+
+    try:
+        state_dict, writer = agree(None, "save_pretrained", same_folder, handshake=False)
+    except BaseException:
+        discard(None)
+        raise
+
+    # From here to the next exchange the only collectives are DCP's, which catches every rank's error (KeyboardInterrupt
+    # included) and raises them on all ranks as one CheckpointException; rank 0's own work follows, alone.
+    error: BaseException | None = None
+    others: BaseException | None = None
+    try:
+        order = list(state_dict)
+        dcp.save(state_dict, storage_writer=writer)
+        del state_dict
+        if rank == 0:
+            slices = _checkpoint_slices(model)
+            _write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            shutil.rmtree(tmp / "dcp")
+            (tmp / marker).unlink()
+            model.save_config(tmp)
+    except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
+        error = _own_failure(caught, rank)
+        if error is None:  # another rank's failure, which that rank reports below
+            others = caught
+    kept = f"'{target}' is as it was, the temporary folder removed"
+    try:
+        agree(None, "save_pretrained", lambda: _raise(error), during=f"while writing ({kept})", handshake=False)
+        if others is not None:  # DCP raised on every rank, but no rank found its own failure in it: never commit
+            raise SurgeryError(f"{VERB}: torch's distributed checkpoint failed ({kept}): {others}")
+    except BaseException:
+        discard(tmp)  # every rank, in case its view of the folder is its own
+        raise
+    replace_error: BaseException | None = None
+    if staged is not None:
+        try:
+            staged.commit()  # the one rename; it removes the temporary folder itself if it fails
+        except BaseException as caught:  # noqa: BLE001 - told to every rank below
+            replace_error = caught
+    agree(None, "save_pretrained", lambda: _raise(replace_error), during="while replacing the folder",
+          handshake=False)
+    return target
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error

@@ -1,0 +1,142 @@
+"""Small distributed helpers: count collectives, and run a function on N local CPU ranks (gloo)."""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from surgery.core.errors import SurgeryError
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives dispatched inside it (`c10d` and functional ops) and the bytes they carry.
+
+    Works where `CommDebugMode` does not (it crashes on FLUX.2 in torch 2.13). `counts` maps op name to calls.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.bytes = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace in _COLLECTIVE_NAMESPACES and not name.startswith("_") and name != "wait_tensor":
+            self.counts[name] += 1
+            first = args[0] if args else None
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
+    if hasattr(signal, "SIGUSR1"):  # POSIX only
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # A file store: the ranks meet through a file the parent created, so there is no port to pick (and race for).
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
+    try:
+        # plain pickle: tensors travel as bytes, not as shared memory that would vanish with this process
+        queue.put((rank, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # Tear down together: no rank closes its connections while a peer still runs its last collective. Then leave
+    # without running torch's C++ destructors at interpreter exit, where gloo's threads raced them under load
+    # ("terminate called without an active exception", SIGABRT after the result was delivered). The result is
+    # already written to the parent's pipe.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
+                     timeout: float | None = None) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU processes joined by gloo; results by rank.
+
+    `fn` must be importable (a module-level function) and return something picklable. A job still running after
+    `timeout` seconds (default: `SURGERY_RANKS_TIMEOUT`, else 900) has every rank print its stacks, is killed, and
+    raises `TimeoutError`: a rank waiting in a collective for another becomes a failure that says where, not a hang.
+    """
+    import torch.multiprocessing as mp
+
+    if timeout is None:
+        timeout = float(os.environ.get("SURGERY_RANKS_TIMEOUT", 900))
+    deadline = time.monotonic() + timeout
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="surgery-ranks-") as tmp:
+        processes = mp.start_processes(
+            _entry,
+            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads),
+            nprocs=world_size,
+            start_method="spawn",
+            join=False,
+        )
+        results: dict[int, Any] = {}
+        finished = False
+        while not finished:
+            finished = processes.join(timeout=0.05)  # re-raises a rank's exception with its traceback
+            while not queue.empty():  # drain as we go, so a large result never blocks its sender
+                rank, result = queue.get()
+                results[rank] = pickle.loads(result)
+            if not finished and time.monotonic() > deadline:
+                _kill(processes.processes)
+                raise TimeoutError(
+                    f"run_on_cpu_ranks({getattr(fn, '__qualname__', fn)!r}, world {world_size}): still running "
+                    f"after {timeout:.0f} s (ranks with a result: {sorted(results)}); each rank's stacks are above."
+                )
+    missing = sorted(set(range(world_size)) - results.keys())
+    if missing:
+        raise RuntimeError(f"ranks {missing} exited without a result")
+    return [results[rank] for rank in range(world_size)]
+
+
+def _kill(processes) -> None:
+    if hasattr(signal, "SIGUSR1"):
+        # one rank at a time, each under its own heading: stacks written at once interleave on the shared stderr
+        for rank, process in enumerate(processes):
+            if process.is_alive():
+                print(f"run_on_cpu_ranks: rank {rank} (pid {process.pid}), its stacks:", file=sys.stderr, flush=True)
+                os.kill(process.pid, signal.SIGUSR1)
+                time.sleep(1.5)  # time to write them
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
+    """torch's fake process group (backend "fake"): collectives are no-ops, so a mesh of any size fits one CPU."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise SurgeryError("planning uses torch's fake process group; run it where no process group is initialized.")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,190 @@
+"""Whole pipelines under tensor parallelism: shard every component that has a plan, say which stay whole and why.
+
+A diffusers pipeline holds a transformer, one or two text encoders, a VAE and tokenizers/schedulers. The transformer
+is sharded after `unfuse` with the registered family plans; a text encoder with transformers' own plan (or a
+registered one, `rewrites/t5.py`); what has no plan (VAE, CLIP, tokenizers) stays whole on every rank. The same
+walk, on the meta device under torch's fake process group, accounts each component's bytes per rank for
+`surgery plan --pipeline`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from surgery.core.build import default_dtype, model_on_meta, resolve_config
+from surgery.core.errors import SurgeryError
+from surgery.core.registry import families, resolve_model
+from surgery.core.rewrite import unfuse
+from surgery.core.walk import find_modules
+from surgery.parallel.distributed import fake_process_group
+from surgery.parallel.plans import planned_modules
+from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel, validate
+
+logger = logging.getLogger("surgery")
+
+
+def _bytes(model: nn.Module) -> dict:
+    """Bytes of the whole component, held per rank, and the per-rank split between sharded and whole tensors."""
+    total = sharded = replicated = 0
+    for param in model.parameters():
+        whole = param.numel() * param.element_size()
+        total += whole
+        if isinstance(param, DTensor) and any(p.is_shard() for p in param.placements):
+            local = param.to_local()
+            sharded += local.numel() * local.element_size()
+        else:
+            replicated += whole
+    return {"bytes": total, "bytes_per_rank": sharded + replicated, "sharded_bytes_per_rank": sharded,
+            "replicated_bytes_per_rank": replicated}
+
+
+def _no_plan_reason(model: nn.Module) -> str:
+    cls = type(model)
+    library = cls.__module__.split(".")[0]
+    shipped = " nor shipped by transformers" if library == "transformers" else ""
+    return f"no tensor-parallel plan: none registered with surgery for {cls.__name__}{shipped}"
+
+
+def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None,
+                    required: bool = False) -> dict:
+    """Unfuse (where fused modules are registered) and shard one component; or leave it whole, saying why.
+
+    `required`: a component that cannot be sharded raises instead (the pipeline's transformer).
+    """
+
+    row = {"component": name, "class": type(model).__name__}
+    if find_modules(model, fused=True):
+        unfuse(model)
+        row["unfused"] = True
+    planned = planned_modules(model)
+    reason = None
+    if not planned:
+        reason = _no_plan_reason(model)
+    else:
+        try:
+            validate(model, planned, mesh.size())
+        except SurgeryError as error:
+            if required:
+                raise
+            reason = f"cannot be sharded over {mesh.size()}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
+    if reason is not None and required:
+        raise SurgeryError(f"surgery.tensor_parallel_pipeline: the pipeline's {name} ({type(model).__name__}) has "
+                           f"{reason}.")
+    if reason is None:
+        tensor_parallel(model, mesh, src_data_rank=src_data_rank)
+    return {**row, "sharded": reason is None, "reason": reason or "", **_bytes(model)}
+
+
+def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> list[dict]:
+    """Shard every component of a diffusers pipeline that has a plan, in place; returns (and logs once, on rank 0)
+    one row per component: sharded or whole, why, and its bytes per rank.
+
+    The transformer (`pipe.transformer`) is unfused and sharded, and must be shardable (an error otherwise, as
+    `surgery.tensor_parallel` raises). Text encoders are sharded with transformers' own plan or a registered one;
+    one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. VAEs,
+    tokenizers, schedulers and processors stay whole. Call it on every rank, with identical pipelines.
+    """
+
+    mesh = one_dim_mesh(mesh)
+    report = []
+    for name, component in pipe.components.items():
+        if component is None:
+            continue
+        if not isinstance(component, nn.Module):
+            report.append({"component": name, "class": type(component).__name__, "sharded": False,
+                           "reason": "not a torch module (no weights to shard)", "bytes": 0, "bytes_per_rank": 0,
+                           "sharded_bytes_per_rank": 0, "replicated_bytes_per_rank": 0})
+            continue
+        report.append(shard_component(name, component, mesh, src_data_rank=src_data_rank,
+                                      required=name == "transformer"))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("surgery.tensor_parallel_pipeline over %d ranks:\n%s", mesh.size(), report_text(report))
+    return report
+
+
+def report_text(report: list[dict]) -> str:
+    lines = []
+    for row in report:
+        size = f"{row['bytes_per_rank'] / 2**30:.2f} GiB per rank of {row['bytes'] / 2**30:.2f} GiB"
+        what = "sharded" if row["sharded"] else f"whole ({row['reason']})"
+        lines.append(f"  {row['component']:<16} {row['class']:<36} {size:<32} {what}")
+    return "\n".join(lines)
+
+
+def pipeline_components(model_name: str) -> dict:
+    """The recorded components of a published pipeline (`Family.pipelines`), by `--model` name."""
+    family, variant = resolve_model(model_name)
+    key = family.model_name(variant)
+    for owner in families().values():
+        if key in owner.pipelines:
+            return dict(owner.pipelines[key])
+    known = sorted(k for f in families().values() for k in f.pipelines)
+    raise SurgeryError(f"no pipeline components are recorded for {key!r}; known: {', '.join(known)}.")
+
+
+def build_on_meta(spec: tuple, dtype: torch.dtype) -> nn.Module:
+    """A component `(class, config class or None, config)` built on the meta device in `dtype`."""
+
+    cls_name, config_name, config = spec
+
+    def load(qualified: str):
+        module, _, name = qualified.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    cls = load(cls_name)
+    with torch.device("meta"), default_dtype(dtype):
+        if config_name is None:
+            return cls(**config)
+        return cls(load(config_name)(**config)).to(dtype)
+
+
+def pipeline_plan(model_name: str, tp: int, *, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Every component of a published pipeline, built on meta from its recorded config and sharded (where it has a
+    plan the mesh can split) under torch's fake process group: bytes per rank, sharded and replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+
+    entry = pipeline_components(model_name)
+    family, config = resolve_config(model_name)
+    rows = []
+    with fake_process_group(tp):
+        mesh = init_device_mesh("cpu", (tp,))
+        transformer = model_on_meta(family, config, dtype)
+        rows.append(shard_component("transformer", transformer, mesh, src_data_rank=None, required=True))
+        for name, spec in entry.items():
+            if name == "pipeline":
+                continue
+            rows.append(shard_component(name, build_on_meta(spec, dtype), mesh, src_data_rank=None))
+    return {
+        "pipeline": entry["pipeline"],
+        "model": model_name,
+        "tp": tp,
+        "dtype": str(dtype).removeprefix("torch."),
+        "components": rows,
+        "bytes": sum(r["bytes"] for r in rows),
+        "bytes_per_rank": sum(r["bytes_per_rank"] for r in rows),
+        "replicated_bytes_per_rank": sum(r["replicated_bytes_per_rank"] for r in rows),
+    }
+
+
+def pipeline_plan_text(result: dict) -> str:
+    gib = 2**30
+    lines = [f"{result['model']} ({result['pipeline']}), TP {result['tp']}, {result['dtype']}: every component's bytes "
+             "per rank (sharded + replicated)", ""]
+    header = f"  {'component':<16} {'class':<36} {'total':>10} {'per rank':>10} {'sharded':>10} {'replicated':>10}  "
+    lines.append(header)
+    for r in result["components"]:
+        lines.append(f"  {r['component']:<16} {r['class']:<36} {r['bytes'] / gib:>8.2f}Gi "
+                     f"{r['bytes_per_rank'] / gib:>8.2f}Gi {r['sharded_bytes_per_rank'] / gib:>8.2f}Gi "
+                     f"{r['replicated_bytes_per_rank'] / gib:>8.2f}Gi  "
+                     f"{'sharded' if r['sharded'] else 'whole: ' + r['reason']}")
+    lines.append(f"  {'all':<16} {'':<36} {result['bytes'] / gib:>8.2f}Gi {result['bytes_per_rank'] / gib:>8.2f}Gi "
+                 f"{'':>10} {result['replicated_bytes_per_rank'] / gib:>8.2f}Gi")
+    return "\n".join(lines)
