@@ -78,7 +78,7 @@ def width_config(model: str, layers: int, single_layers: int, smoke: bool = Fals
     family, variant = resolve_model(model)
     config = family.config(variant)
     head_dim = 8 if smoke else config.get("attention_head_dim")
-    return family, family.reduced(config, layers=layers, single_layers=single_layers, head_dim=head_dim)
+    return family, family.shrink_config(config, layers=layers, single_layers=single_layers, head_dim=head_dim)
 
 
 def single_device(args) -> list[dict]:
@@ -207,7 +207,7 @@ def cuda_full_size(args) -> list[dict]:
     family, variant = resolve_model(args.models[0])
     config = family.config(variant)
     if args.smoke:
-        config = family.reduced(config, layers=1, single_layers=1, head_dim=config.get("attention_head_dim"))
+        config = family.shrink_config(config, layers=1, single_layers=1, head_dim=config.get("attention_head_dim"))
     with torch.device("cuda"), inspect.default_dtype(torch.bfloat16):
         fused = model_class(family)(**config).eval()
     with torch.no_grad():

@@ -104,8 +104,8 @@ FAMILY = Family(
     tp_plans=TP_PLANS,
     tp_checks=TP_CHECKS,
     # per double block: to_out + to_add_out + ff + ff_context; per single block: one. (diffusers has no Chroma plan.)
-    all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
+    count_all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
     aliases={"chroma": "hd"},  # `--model chroma`
 )

@@ -343,7 +343,7 @@ FAMILY = Family(
     tp_checks=TP_CHECKS,
     # per double block: to_out + to_add_out + ff + ff_context; per single block: one (partial sums resolved once).
     # diffusers' packed plan: the same (PackedRowwiseParallel all-reduces proj_out once).
-    all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
+    count_all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

@@ -217,7 +217,7 @@ FAMILY = Family(
     tp_when=TP_WHEN,
     # per block (text-, image- and reference-image-mode blocks, as example_inputs passes reference tokens; joint
     # single blocks): attention out + feed-forward out. Without reference tokens: 2 * (2 * num_layers + single).
-    all_reduces=lambda config: 2 * (3 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
+    count_all_reduces=lambda config: 2 * (3 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

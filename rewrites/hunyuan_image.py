@@ -166,8 +166,8 @@ FAMILY = Family(
     tp_plans=TP_PLANS,
     # per double block: attention out + added out + ff + ff_context; per single block: one; per token-refiner block:
     # its feed-forward (the refiner's attention stays replicated)
-    all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"]
+    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"]
     + config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

@@ -203,9 +203,9 @@ FAMILY = Family(
     tp_checks=TP_CHECKS,
     # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved
     # once); per token-refiner block: attention out + ff
-    all_reduces=lambda config: 4 * config.get("num_layers", 20) + config.get("num_single_layers", 40)
+    count_all_reduces=lambda config: 4 * config.get("num_layers", 20) + config.get("num_single_layers", 40)
     + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
     aliases={"hunyuan-video": "t2v"},  # `--model hunyuan-video`: the text-to-video model
 )

@@ -179,7 +179,7 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     # per double block: attention out + added out + ff + ff_context; per single block: one
-    all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

@@ -185,7 +185,7 @@ FAMILY = Family(
     example_inputs=example_inputs,
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
-    all_reduces=_all_reduces,
+    count_all_reduces=_all_reduces,
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

@@ -144,7 +144,7 @@ FAMILY = Family(
     tp_plans={Attention: ATTENTION_TP_PLAN},
     tp_when={Attention: _splits_by_head_dim},
     # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
-    all_reduces=lambda config: 4 * config.get("num_layers", 60),
+    count_all_reduces=lambda config: 4 * config.get("num_layers", 60),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

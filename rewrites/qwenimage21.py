@@ -125,7 +125,7 @@ FAMILY = Family(
     example_inputs=example_inputs,
     tp_plans={QwenImage21Attention: ATTENTION_TP_PLAN, QwenImage21SwiGLUFeedForward: FEED_FORWARD_TP_PLAN},
     # per block: attention out + feed-forward out (as diffusers' _tp_plan)
-    all_reduces=lambda config: 2 * config.get("num_layers", 32),
+    count_all_reduces=lambda config: 2 * config.get("num_layers", 32),
     test_configs=TEST_CONFIGS,
-    reduced=reduced,
+    shrink_config=reduced,
 )

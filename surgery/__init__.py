@@ -27,7 +27,7 @@ from surgery.core.registry import (
 )
 from surgery.core.rewrite import fuse, last_report, unfuse
 from surgery.core.slicing import Slice
-from surgery.core.state_dict import fuse_state_dict, key_map, unfuse_state_dict
+from surgery.core.state_dict import fuse_state_dict, key_map, unfuse_state_dict, weight_slices
 from surgery.parallel.context_parallel import context_parallel
 from surgery.parallel.pipeline import tensor_parallel_pipeline
 from surgery.parallel.tensor_parallel import tensor_parallel
@@ -54,7 +54,8 @@ __all__ = [
     "load_tensor_parallel",
     "convert_checkpoint",
     "last_report",
-    "key_map",
+    "weight_slices",
+    "key_map",  # deprecated name of weight_slices
     "unfuse_state_dict",
     "fuse_state_dict",
     "save_pretrained",

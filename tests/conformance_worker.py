@@ -89,7 +89,7 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
             with CollectiveCounter() as theirs:
                 result["diffusers_forward"] = rel_err(output(packed, kw), expected)
             result["diffusers_collectives"] = dict(theirs.counts)
-    result["expected_all_reduces"] = family.all_reduces(config) if family.all_reduces else None
+    result["expected_all_reduces"] = family.count_all_reduces(config) if family.count_all_reduces else None
 
     unfused = surgery.unfuse(copy.deepcopy(fused))
     sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
@@ -99,7 +99,7 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
     result["sharded_params"] = len(sharded)
 
     (ref_in, ref), (tp_in, tp) = gradients(fused, kw, seed), gradients(model, kw, seed)
-    tp = surgery.fuse_state_dict(tp, surgery.key_map(model)) if surgery.key_map(model) else tp
+    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model)) if surgery.weight_slices(model) else tp
     result["grad_keys_match"] = sorted(tp) == sorted(ref)
     result["param_grads"] = max(gradient_errors(tp, ref).values())
     result["input_grads"] = max((rel_err(tp_in[k], g) for k, g in ref_in.items()), default=0.0)

@@ -351,7 +351,7 @@ class CheckedBeforeWriting(Workspace):
 
     def test_state_dicts_refuse_extra_rows(self):
         model = build(small_config(CONFIG), SEED)
-        slices = surgery.key_map(model)
+        slices = surgery.weight_slices(model)
         fused = dict(model.state_dict())
         name = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
         fused[name] = torch.cat([fused[name], torch.zeros(8, fused[name].shape[1])])

@@ -90,7 +90,7 @@ class Equivalence(unittest.TestCase):
             with torch.no_grad():
                 self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
             (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
-            got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
+            got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
             self.assertEqual(sorted(got), sorted(ref))
             for name, error in W.gradient_errors(got, ref).items():
                 self.assertLessEqual(error, W.FP32_TOL, name)
@@ -114,7 +114,7 @@ class Structure(unittest.TestCase):
         _, _, fused = W.make(family_name, config_name)
         original = copy.deepcopy(fused)
         before = dict(fused.named_parameters())
-        slices = surgery.key_map(fused)
+        slices = surgery.weight_slices(fused)
         surgery.unfuse(fused)
         after = dict(fused.named_parameters())
         for s in slices:
@@ -169,7 +169,7 @@ class PlansOnly(unittest.TestCase):
             model = model_on_meta(family, family.config(variant))
             snap = [(n, id(m), type(m)) for n, m in model.named_modules()]
             self.assertEqual(find_modules(model, fused=True), [], "a plans-only family fuses nothing")
-            self.assertEqual(surgery.key_map(model), [])
+            self.assertEqual(surgery.weight_slices(model), [])
             surgery.unfuse(model)
             self.assertEqual(surgery.last_report(model), [], "unfuse rewrote something")
             self.assertEqual([(n, id(m), type(m)) for n, m in model.named_modules()], snap)

@@ -82,7 +82,7 @@ def stock_names(unfused, names) -> set[str]:
     """The stock modules whose parameters the unfused modules `names` hold (through the slice tables); a module
     that holds no sliced parameter keeps its own path. For features that hook each leaf (leaf-level offloading), the
     unfused model's leaves are finer than stock's by construction."""
-    to_fused = {s.unfused: s.fused for s in surgery.key_map(unfused)}
+    to_fused = {s.unfused: s.fused for s in surgery.weight_slices(unfused)}
     out = set()
     for name in names:
         keys = [f"{name}.{p}" if name else p for p, _ in unfused.get_submodule(name).named_parameters(recurse=False)]
@@ -352,7 +352,7 @@ def test_gradient_checkpointing(family_name, config_name):
     calls, (ref_in, ref) = on_stock("gradient checkpointing", checkpointed, stock)
     got_calls, (got_in, got) = checkpointed(unfused)
     assert len(got_calls) == len(calls) > 0, "other blocks checkpointed than on the stock model"
-    got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
+    got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
     assert sorted(got) == sorted(ref)
     for name, error in W.gradient_errors(got, ref).items():
         assert error <= TOL, name

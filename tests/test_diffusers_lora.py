@@ -170,7 +170,7 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         stock_model = add_random_adapter(copy.deepcopy(base), "x", 0)
         add_random_adapter(unfused, "x", 4, targets=targets, rank=4, alpha=8)
         # the same stock layers get an adapter: map each unfused LoRA layer back to the stock layer it is part of
-        stock_of = {s.unfused.rsplit(".", 1)[0]: s.fused.rsplit(".", 1)[0] for s in surgery.key_map(unfused)}
+        stock_of = {s.unfused.rsplit(".", 1)[0]: s.fused.rsplit(".", 1)[0] for s in surgery.weight_slices(unfused)}
         lora_layers = lambda m: {n for n, mod in m.named_modules() if hasattr(mod, "lora_A")}  # noqa: E731
         self.assertEqual({stock_of.get(n, n) for n in lora_layers(unfused)}, lora_layers(stock_model))
 
@@ -227,7 +227,7 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
 class SplitFunction(unittest.TestCase):
     def setUp(self):
         self.base = build(small_config("klein4b_small"), 0)
-        self.slices = surgery.key_map(self.base)
+        self.slices = surgery.weight_slices(self.base)
         model = add_random_adapter(copy.deepcopy(self.base), "a", 0)
         self.adapter = get_peft_model_state_dict(model, adapter_name="a")
 

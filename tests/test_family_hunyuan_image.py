@@ -39,7 +39,7 @@ def sharded_case(rank: int, world: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (_, ref), (_, tp) = W.gradients(fused, kw, 3), W.gradients(model, kw, 3)
-    tp = surgery.fuse_state_dict(tp, surgery.key_map(model))
+    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model))
     return {"forward": forward, "collectives": dict(counter.counts), "grads": max(grad_errors(ref, tp).values())}
 
 
@@ -53,11 +53,11 @@ class TokenRefiner(unittest.TestCase):
         with torch.no_grad():
             self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
         (_, ref), (_, got) = W.gradients(fused, kw, 1), W.gradients(unfused, kw, 1)
-        got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
+        got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
         self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_TOL)
 
     def test_sharded_with_refiner_matches_single_device_fused_model(self):
         for r in run_on_cpu_ranks(sharded_case, 2):
             self.assertLessEqual(r["forward"], W.FP32_TOL)
             self.assertLessEqual(r["grads"], W.FP32_TOL)
-            self.assertEqual(r["collectives"], {"all_reduce": families()["hunyuan-image"].all_reduces(CONFIG)})
+            self.assertEqual(r["collectives"], {"all_reduce": families()["hunyuan-image"].count_all_reduces(CONFIG)})

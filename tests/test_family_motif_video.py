@@ -37,7 +37,7 @@ def sharded_case(rank: int, world: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (ref_in, ref), (tp_in, tp) = W.gradients(fused, kw, 5), W.gradients(model, kw, 5)
-    tp = surgery.fuse_state_dict(tp, surgery.key_map(model))
+    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model))
     return {
         "forward": forward,
         "collectives": dict(counter.counts),
@@ -57,7 +57,7 @@ class SingleBlockCrossAttention(unittest.TestCase):
             with torch.no_grad():
                 self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
             (_, ref), (_, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
-            got = surgery.fuse_state_dict(got, surgery.key_map(unfused))
+            got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
             self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_TOL)
 
     def test_sharded_matches_single_device_fused_model(self):
@@ -69,6 +69,6 @@ class SingleBlockCrossAttention(unittest.TestCase):
             self.assertLessEqual(r["input_grads"], W.FP32_TOL)
             # two reduce-scatters per single block with cross-attention; all-reduces as without it
             self.assertEqual(r["collectives"], {
-                "all_reduce": families()["motif-video"].all_reduces(CONFIG),
+                "all_reduce": families()["motif-video"].count_all_reduces(CONFIG),
                 "reduce_scatter_tensor": 2 * encoder_single,
             })

@@ -49,7 +49,7 @@ class SplitAdapter(unittest.TestCase):
         base = build(config, seed)
         fused = with_random_lora(copy.deepcopy(base), FUSED_TARGETS, seed)
         adapter = get_peft_model_state_dict(fused)
-        slices = surgery.key_map(base)
+        slices = surgery.weight_slices(base)
         split = surgery.unfuse_lora_state_dict(adapter, slices)
         self.assertIn("single_transformer_blocks.0.attn.to_out.mlp_part.lora_A.weight", split)
         self.assertNotIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight", split)
@@ -65,7 +65,7 @@ class SplitAdapter(unittest.TestCase):
     def test_adapter_trained_after_the_split_joins_exactly(self):
         config = small_config("klein9b_small")
         base = build(config, 3)
-        slices = surgery.key_map(base)
+        slices = surgery.weight_slices(base)
         targets = [f"single_transformer_blocks.1.attn.to_qkv_mlp_proj.{p}" for p in ("q", "k", "v", "gate", "up")] + [
             "single_transformer_blocks.1.attn.to_out.attn_part", "single_transformer_blocks.1.attn.to_out.mlp_part"]
         unfused = with_random_lora(surgery.unfuse(copy.deepcopy(base)), targets, 4)  # independent factors per part
@@ -79,7 +79,7 @@ class SplitAdapter(unittest.TestCase):
         config = small_config("dev_small")
         base = build(config, 5)
         fused = with_random_lora(copy.deepcopy(base), FUSED_TARGETS, 5)
-        split = surgery.unfuse_lora_state_dict(get_peft_model_state_dict(fused), surgery.key_map(base))
+        split = surgery.unfuse_lora_state_dict(get_peft_model_state_dict(fused), surgery.weight_slices(base))
         unfused = load_adapter(surgery.unfuse(copy.deepcopy(base)), split)
         fused.fuse_lora()
         fused.unload_lora()

@@ -29,7 +29,7 @@ class LoadStateDict(unittest.TestCase):
     def assert_parts_unchanged(self):
         """The parts of the refused fused tensor keep their values (other keys load, as in stock torch)."""
         after = self.model.state_dict()
-        parts = [s.unfused for s in surgery.key_map(self.model) if s.fused == FUSED]
+        parts = [s.unfused for s in surgery.weight_slices(self.model) if s.fused == FUSED]
         self.assertEqual(len(parts), 5)
         for key in parts:
             self.assertTrue(torch.equal(after[key], self.before[key]), key)
@@ -61,7 +61,7 @@ class LoadStateDict(unittest.TestCase):
                     RuntimeError, rf"{FUSED} and its unfused parts \({PART}\) are both in the state dict"):
                 self.model.load_state_dict(source, strict=strict)
             self.assert_parts_unchanged()
-        slices = surgery.key_map(self.model)
+        slices = surgery.weight_slices(self.model)
         with self.assertRaisesRegex(surgery.SurgeryError, rf"the fused state dict also holds '{PART}' of the other "
                                                           "layout .*ambiguous"):
             surgery.unfuse_state_dict(source, slices)
@@ -125,7 +125,7 @@ class EveryFamily(unittest.TestCase):
             config = next(iter(family.test_configs.values()))
             with self.subTest(name):
                 stock = seeded_model(family, config, 1)
-                slices = surgery.key_map(stock)
+                slices = surgery.weight_slices(stock)
                 if not slices:
                     continue
                 for source in (stock.state_dict(), surgery.unfuse(copy.deepcopy(stock)).state_dict()):

@@ -26,7 +26,7 @@ class ZeroCopy(unittest.TestCase):
     def test_row_slices_are_views_of_the_fused_storage(self):
         model = build(small_config("odd_heads"))
         fused = {name: p for name, p in model.named_parameters()}
-        slices = surgery.key_map(model)
+        slices = surgery.weight_slices(model)
         surgery.unfuse(model)
         unfused = dict(model.named_parameters())
         rows = [s for s in slices if s.dim == 0]

@@ -26,7 +26,7 @@ def demo_config(model: str = "flux2-klein-4b", **overrides) -> dict:
     """A published config at demo size (the family's `reduced`: same head count, fewer blocks, smaller heads)."""
     family, variant = resolve_model(model)
     config = family.config(variant)
-    return family.reduced(config, **overrides) if family.reduced else config
+    return family.shrink_config(config, **overrides) if family.shrink_config else config
 
 
 def _timed_forward(model, inputs: dict, repeats: int = 3) -> tuple[torch.Tensor, float]:
@@ -133,7 +133,7 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
               f"{counts} ({mb(r['collective_bytes'])}); parameters {mb(r['local_bytes'])}; "
               f"forward under TP {r['tp_seconds'] * 1e3:.0f} ms")
     sharded = results[0]["sharded_global_bytes"]
-    expected_collectives = f"{family.all_reduces(config)} all-reduces" if family.all_reduces else "(not declared)"
+    expected_collectives = f"{family.count_all_reduces(config)} all-reduces" if family.count_all_reduces else "(not declared)"
     print(f"  expected: {expected_collectives} per forward; {mb(whole - sharded)} replicated + {mb(sharded)} "
           f"sharded / {tp} = {mb(whole - sharded + sharded // tp)} per rank")
     print(f"  (TP forwards: medians of 3 with the {tp} ranks running at once on this machine's "

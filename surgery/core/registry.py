@@ -10,6 +10,7 @@ suite — looks a family up here, by name or by the model's class; the engine it
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,9 +67,10 @@ class Family:
     library. `variants` maps a published checkpoint's short name to its config (init arguments of `model_class`);
     `sources` says where those numbers come from. `example_inputs(config, batch=, image_tokens=, text_tokens=, seed=,
     dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `test_configs` are small configs
-    (same structure, tiny widths) the conformance suite runs on CPU; `reduced(config)` shrinks a published config to
-    demo size (depth and head size, same head count). `all_reduces(config)` is the number of all-reduces one forward
-    should make under `surgery.tensor_parallel`.
+    (same structure, tiny widths) the conformance suite runs on CPU; `shrink_config(config)` shrinks a published config
+    to demo size (depth and head size, same head count). `count_all_reduces(config)` is the number of all-reduces one
+    forward should make under `surgery.tensor_parallel`. (`reduced=` and `all_reduces=`, their former names, are
+    accepted with a DeprecationWarning.)
     """
 
     name: str
@@ -83,9 +85,9 @@ class Family:
     # class -> `when(module)`: the class's plan applies only to the modules it accepts; the others stay whole
     # (replicated). For diffusers' shared classes (`Attention`) whose modules only some families can shard.
     tp_when: dict = field(default_factory=dict)
-    all_reduces: Callable[[dict], int] | None = None
+    count_all_reduces: Callable[[dict], int] | None = None
     test_configs: dict[str, dict] = field(default_factory=dict)
-    reduced: Callable[[dict], dict] | None = None
+    shrink_config: Callable[[dict], dict] | None = None
     # other names `--model` accepts for a variant (kept so that older command lines still work)
     aliases: dict[str, str] = field(default_factory=dict)
     # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
@@ -114,6 +116,31 @@ class Family:
         """The `--model` names of this family's variants."""
         return [self.model_name(v) for v in self.variants]
 
+
+# Fields renamed: the old names, callables named like data, still work with a DeprecationWarning.
+_RENAMED_FIELDS = {"reduced": "shrink_config", "all_reduces": "count_all_reduces"}
+_family_init = Family.__init__
+
+
+def _family_init_accepting_old_names(self, *args, **kwargs) -> None:
+    for old, new in _RENAMED_FIELDS.items():
+        if old in kwargs:
+            warnings.warn(f"Family({old}=...) is now Family({new}=...).", DeprecationWarning, stacklevel=2)
+            kwargs[new] = kwargs.pop(old)
+    _family_init(self, *args, **kwargs)
+
+
+def _old_field(old: str, new: str) -> property:
+    def get(self):
+        warnings.warn(f"Family.{old} is now Family.{new}.", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(get)
+
+
+Family.__init__ = _family_init_accepting_old_names
+for _old, _new in _RENAMED_FIELDS.items():
+    setattr(Family, _old, _old_field(_old, _new))
 
 _registry: list[Rewrite] = []
 _tp_plans: dict[type[nn.Module] | str, dict] = {}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Mapping
 
 import torch
@@ -12,7 +14,7 @@ from surgery.core.walk import find_modules
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 
 
-def key_map(model: nn.Module) -> list[Slice]:
+def weight_slices(model: nn.Module) -> list[Slice]:
     """Every checkpoint slice of `model` (fused or unfused, or a mix): fused key, unfused key, dim, rows/columns.
 
     Keys not listed are the same in both layouts. Works on the meta device.
@@ -94,3 +96,9 @@ def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice])
     for fused_name, group in group_by_fused(slices):
         out[fused_name] = concat([state_dict[s.unfused] for s in group], group[0].dim)[0]
     return out
+
+
+def key_map(model: nn.Module) -> list[Slice]:
+    """Deprecated name of `weight_slices` (it returns slices, not a mapping)."""
+    warnings.warn("surgery.key_map is now surgery.weight_slices.", DeprecationWarning, stacklevel=2)
+    return weight_slices(model)

@@ -28,7 +28,7 @@ from surgery.core.checks import SURGERY_LOAD_HOOK
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import registered
 from surgery.core.slicing import group_by_fused, take
-from surgery.core.state_dict import key_map
+from surgery.core.state_dict import weight_slices
 from surgery.core.walk import find_modules
 from surgery.integration.lora import _module, lora_target_modules, stock_lora_adapter
 from surgery.integration.lora_tp import load_sharded, save_sharded
@@ -265,7 +265,7 @@ def stock_targets(model: nn.Module, target_modules):
     except SurgeryError:
         pass
     if not isinstance(target_modules, str):
-        parts = {_module(s.unfused) for s in key_map(model) if s.unfused.endswith(".weight")}
+        parts = {_module(s.unfused) for s in weight_slices(model) if s.unfused.endswith(".weight")}
         names |= {t for t in target_modules if t in parts}
     if not names:
         return None

@@ -13,7 +13,7 @@ import torch
 
 from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, group_by_fused
-from surgery.core.state_dict import key_map
+from surgery.core.state_dict import weight_slices
 
 _FACTORS = ("lora_A", "lora_B")
 
@@ -121,7 +121,7 @@ def unfuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[
             f"of the {len(fused)} fused modules of the key map (e.g. {sorted(fused)[:1]}). "
             + ("It is already in the unfused layout: load it as it is (model.load_lora_adapter on the unfused "
                "model takes either layout)."
-               if split else "Pass surgery.key_map(model) of the model it was trained for; an adapter that targets no "
+               if split else "Pass surgery.weight_slices(model) of the model it was trained for; an adapter that targets no "
                "fused module needs no split.")
         )
     mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -144,7 +144,7 @@ def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:
 
     config = LoraConfig(target_modules=target_modules)
     parts: dict[str, list[str]] = {}
-    for fused, group in group_by_fused([s for s in key_map(model) if s.fused.endswith(".weight")]):
+    for fused, group in group_by_fused([s for s in weight_slices(model) if s.fused.endswith(".weight")]):
         parts.setdefault(_module(fused), []).extend(_module(s.unfused) for s in group)
     unfused = {p for ps in parts.values() for p in ps}
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in unfused]
@@ -236,7 +236,7 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     if adapter_name not in getattr(model, "peft_config", {}):
         raise SurgeryError(f"the model has no LoRA adapter named {adapter_name!r}.")
     config = model.peft_config[adapter_name].to_dict()
-    slices = key_map(model)
+    slices = weight_slices(model)
     state = get_peft_model_state_dict(model, adapter_name=adapter_name)
     # a tensor-parallel model's factors are DTensors: gather them one factor at a time (every rank calls this, in
     # the same order), never the model
@@ -279,7 +279,7 @@ def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metada
     from diffusers.utils import convert_unet_state_dict_to_peft
 
 
-    slices = key_map(model)
+    slices = weight_slices(model)
     head = f"{prefix}." if prefix else ""
     mine = {k[len(head):]: v for k, v in state_dict.items() if k.startswith(head)}
     if not mine:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from surgery.core.errors import SurgeryError
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice, fused_shape, group_by_fused
-from surgery.core.state_dict import key_map
+from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import destination, staged_folder
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -563,7 +563,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     folder = resolve_checkpoint(src, cache_dir)
     target = _destination(dst, folder, overwrite)
     model = unfuse(model_on_meta(folder))
-    slices = key_map(model)
+    slices = weight_slices(model)
     if not slices:
         raise SurgeryError(f"'{folder}' holds a {type(model).__name__} checkpoint, which has no fused modules that "
                            "surgery rewrites: nothing to convert.")

@@ -14,7 +14,7 @@ from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layou
 from surgery.core.errors import SurgeryError
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
-from surgery.core.state_dict import key_map
+from surgery.core.state_dict import weight_slices
 from surgery.parallel.transformers_plans import checkpoint_renames
 from surgery.parallel.tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
 
@@ -120,7 +120,7 @@ def _load_tensor_parallel(
     planned = planned_modules(model)
     validate(model, planned, mesh.size())
     placements = _placements(model, planned)
-    slices = key_map(model)
+    slices = weight_slices(model)
     rank, world = mesh.get_local_rank(), mesh.size()
     device = torch.device("cpu")
     if mesh.device_type != "cpu":

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
-from surgery.core.state_dict import key_map
+from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.checkpoint import _DTYPES, _safetensors_dtype, owns, shard_bytes
 from surgery.parallel.agreement import agree, agree_and_share
@@ -50,7 +50,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 def _checkpoint_slices(model: nn.Module) -> list[Slice]:
 
-    return key_map(model)
+    return weight_slices(model)
 
 
 def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:

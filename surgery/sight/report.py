@@ -313,10 +313,10 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
 
 def _declared_collectives(family: Family, config: dict, error: Exception) -> dict:
     """What the family declares one forward all-reduces, where a meta forward cannot run to count it."""
-    if family.all_reduces is None:
+    if family.count_all_reduces is None:
         raise SurgeryError(f"{family.name}: one forward cannot run on the meta device ({error}), and the family "
                            "declares no all_reduces to plan with.") from None
-    count = family.all_reduces(config)
+    count = family.count_all_reduces(config)
     reason = str(error).splitlines()[0][:120]
     return {"total": count, "bytes": None, "ops": {"all_reduce": count}, "per_block": {},
             "note": f"declared by the family, not counted: its forward cannot run on the meta device ({reason})"}
