@@ -6,7 +6,8 @@ processors that split heads by head size so that they run column-sharded.
 | `BriaSingleTransformerBlock`   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor    |
 | `BriaAttention` (double block) | processor `BriaAttnProcessor` -> its head-dim twin (`surgery.core.leaves`)              |
 
-Bria's structure is LongCat-Image's: the rewrites and plans come from `rewrites.longcat_image`.
+Bria's structure is LongCat-Image's: the rewrites come from `rewrites.longcat_image`, the plans are the shared ones
+of `rewrites.diffusers_common`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from diffusers.models.transformers.transformer_bria import (
     BriaTransformer2DModel,
 )
 
-from surgery_rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
+from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.core.leaves import Processors
 from surgery.core.registry import Family
 
@@ -27,7 +29,7 @@ REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention,
 # The same plans as LongCat-Image's (same submodules): heads and MLP hidden units split across ranks; one all-reduce
 # per single block, one per output projection and feed-forward in the double blocks.
 TP_PLANS = {
-    BriaAttention: ATTENTION_TP_PLAN,
+    BriaAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
     BriaSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 

@@ -23,7 +23,8 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboTransformer2DModel,
 )
 
-from surgery_rewrites.longcat_image import ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN, flux_like_inputs, flux_like_rewrites, reduced
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
+from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.core.leaves import Processors, swap_rewrite
 from surgery.core.registry import Family
 
@@ -35,9 +36,9 @@ REWRITES = (
     swap_rewrite("bria_fibo.single_block_attention", Attention, processors=_SINGLE_ATTENTION),
 )
 
-# The same plans as LongCat-Image's (same submodules).
+# The same plans as LongCat-Image's (same submodules), shared in rewrites/diffusers_common.py.
 TP_PLANS = {
-    BriaFiboAttention: ATTENTION_TP_PLAN,
+    BriaFiboAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
     BriaFiboSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 

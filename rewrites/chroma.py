@@ -9,10 +9,11 @@ modulation Linears.
 
 Its attention is FLUX.1's `FluxAttention` with the stock `FluxAttnProcessor` (heads split by `head_dim`), its
 feed-forwards diffusers' `FeedForward`: their plans, and the `fuse_qkv_projections()` rewrite, are FLUX.1's
-(`rewrites/flux1.py`) and diffusers_common's, registered there once. The single block's plan is FLUX.1's too: same
-submodule names. The `distilled_guidance_layer` (5 residual MLPs of width 5120, 0.28 B parameters, 3% of the model)
-stays replicated: its layers are diffusers' shared `PixArtAlphaTextProjection`, which FLUX.1 also uses (as its
-pooled-text embedder), so a class plan for it would shard FLUX.1's too; and it runs once per forward on 344 tokens.
+(`rewrites/flux1.py`) and diffusers_common's, registered there once. The single block's plan is FLUX.1's too
+(`SINGLE_BLOCK_TP_PLAN`, shared in rewrites/diffusers_common.py): same submodule names. The
+`distilled_guidance_layer` (5 residual MLPs of width 5120, 0.28 B parameters, 3% of the model) stays replicated:
+its layers are diffusers' shared `PixArtAlphaTextProjection`, which FLUX.1 also uses (as its pooled-text embedder),
+so a class plan for it would shard FLUX.1's too; and it runs once per forward on 344 tokens.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformer2DModel
 
-from surgery_rewrites.flux1 import SINGLE_BLOCK_TP_PLAN, check_single_block, rope_axes, single_block_rewrite
+from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
+from surgery_rewrites.flux1 import check_single_block, flux1_single_block_rewrite, rope_axes_like_flux1
 from surgery.core.registry import Family
 
-REWRITES = (single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
+REWRITES = (flux1_single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
 
 # The same submodule names as FLUX.1's single block: the same plan (one all-reduce per block).
 TP_PLANS = {ChromaSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN}
@@ -76,11 +78,12 @@ def example_inputs(
 def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
     """A published config at demo size: same head count; fewer blocks, smaller heads, a narrower approximator."""
     return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
-                axes_dims_rope=rope_axes(head_dim), approximator_hidden_dim=4 * head_dim, approximator_layers=2)
+                axes_dims_rope=rope_axes_like_flux1(head_dim), approximator_hidden_dim=4 * head_dim,
+                approximator_layers=2)
 
 
 def small(**config) -> dict:
-    return dict(config, in_channels=16, axes_dims_rope=rope_axes(config["attention_head_dim"]),
+    return dict(config, in_channels=16, axes_dims_rope=rope_axes_like_flux1(config["attention_head_dim"]),
                 approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=2)
 
 

@@ -13,8 +13,9 @@ concatenation (`surgery.core.leaves`). Everything else is already unfused in dif
 splits heads with `unflatten(-1, (-1, attn.head_dim))`, so it runs column-sharded as is (the IP-adapter processor
 splits by `attn.heads` and is refused by the tensor-parallel check).
 
-The single-block helpers here (`single_block_rewrite`, `SINGLE_BLOCK_TP_PLAN`) serve every DiT whose single-stream
-block is FLUX.1's with other norms or call arguments (Chroma imports them).
+The single-block rewrite here (`flux1_single_block_rewrite`) serves every DiT whose single-stream block is FLUX.1's
+with other norms or call arguments (Chroma imports it); its plan is the shared `SINGLE_BLOCK_TP_PLAN`
+(`rewrites/diffusers_common.py`), as is the double-stream attention's.
 """
 
 from __future__ import annotations
@@ -27,34 +28,16 @@ from diffusers.models.transformers.transformer_flux import (
     FluxSingleTransformerBlock,
     FluxTransformer2DModel,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
 from surgery.core.errors import SurgeryError
 from surgery.core.checks import check_hooks, check_linear, mesh_sizes_dividing
-from surgery.core.leaves import columns, swap_rewrite, under
+from surgery.core.leaves import columns, swap_rewrite
 from surgery.core.registry import Family, Rewrite
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 # --- the single-stream block ---------------------------------------------------------------------------------------
-
-# Heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums, resolved by one
-# all-reduce at proj_out's output (before the gate and the residual): one collective per block. The block is planned
-# whole (its proj_mlp is a plain Linear), so the attention's entries are spelled out here and proj_out's are the
-# shared SplitProjection plan.
-HEAD_NORM = per_head_norm(2)  # QK-norms on [batch, seq, heads, head_dim], each rank's own heads
-
-SINGLE_BLOCK_TP_PLAN = {
-    "attn.to_q": ColwiseParallel(),
-    "attn.to_k": ColwiseParallel(),
-    "attn.to_v": ColwiseParallel(),
-    "attn.norm_q": HEAD_NORM,
-    "attn.norm_k": HEAD_NORM,
-    "proj_mlp": ColwiseParallel(),
-    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
-}
 
 # the fused proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's
 PROJ_OUT = columns("proj_out", lambda m: m.proj_out.in_features - m.mlp_hidden_dim)
@@ -75,7 +58,7 @@ def _other_attention(attn: nn.Module, unfusing: bool) -> nn.Module:
     return unfuse(attn) if unfusing else fuse(attn)
 
 
-def single_block_rewrite(name: str, cls: type[nn.Module]) -> Rewrite:
+def flux1_single_block_rewrite(name: str, cls: type[nn.Module]) -> Rewrite:
     """The rewrite of a FLUX.1-style single-stream block class: `proj_out` swapped for a `SplitProjection`, the
     block's class and forward kept; its attention, where `fuse_qkv_projections()` fused it, converted along."""
 
@@ -178,24 +161,6 @@ def _join_qkv(m: FluxSplitQKVAttention) -> FluxAttention:
     return _adopt(new, m, _ATTENTION_SHARED + _ATTENTION_PROJECTIONS)
 
 
-# The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output
-# projection. Keyed by `FluxAttention`, which Chroma shares: registered here only.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-    "add_q_proj": ColwiseParallel(),
-    "add_k_proj": ColwiseParallel(),
-    "add_v_proj": ColwiseParallel(),
-    "norm_added_q": HEAD_NORM,
-    "norm_added_k": HEAD_NORM,
-    "to_add_out": RowwiseParallel(),
-}
-
-
 def check_single_block(module: nn.Module, path: str, world: int) -> None:
     """Whole heads per rank (the block has no `heads` of its own for the generic check), and a shardable processor."""
     heads = module.attn.heads
@@ -221,7 +186,7 @@ def check_attention_processor(module: nn.Module, path: str, world: int) -> None:
 
 
 REWRITES = (
-    single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock),
+    flux1_single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock),
     Rewrite(
         name="flux1.fused_qkv_attention",
         fused=FluxAttention,
@@ -234,9 +199,12 @@ REWRITES = (
     ),
 )
 
+# The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output
+# projection. Keyed by `FluxAttention`, which Chroma shares: registered here only. The single-stream block: one
+# all-reduce per block (both halves of the unfused proj_out leave partial sums).
 TP_PLANS = {
-    FluxAttention: ATTENTION_TP_PLAN,
-    FluxSplitQKVAttention: ATTENTION_TP_PLAN,
+    FluxAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    FluxSplitQKVAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
     FluxSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 TP_CHECKS = {
@@ -266,7 +234,7 @@ VARIANTS = {
 }
 
 
-def rope_axes(head_dim: int) -> tuple[int, int, int]:
+def rope_axes_like_flux1(head_dim: int) -> tuple[int, int, int]:
     """Three even rotary axes summing to `head_dim`, shaped like FLUX.1's (16, 56, 56) for 128."""
     if head_dim % 4:
         raise SurgeryError(f"head_dim {head_dim} is not a multiple of 4 (three rotary axes of even size)")
@@ -309,11 +277,11 @@ def example_inputs(
 def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
     """A published config at demo size: same head count and widths' ratios; fewer blocks, smaller heads."""
     return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
-                axes_dims_rope=rope_axes(head_dim))
+                axes_dims_rope=rope_axes_like_flux1(head_dim))
 
 
 def small(**config) -> dict:
-    rope = rope_axes(config["attention_head_dim"])
+    rope = rope_axes_like_flux1(config["attention_head_dim"])
     return dict(config, in_channels=16, pooled_projection_dim=16, axes_dims_rope=rope)
 
 

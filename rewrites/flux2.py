@@ -30,13 +30,13 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery.core import build
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import columns, rows, swap_rewrite, under
 from surgery.core.registry import Family, Rewrite
 from surgery.core.slicing import Slice, row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 # --- the leaves -----------------------------------------------------------------------------------------------------
 
@@ -58,9 +58,6 @@ PARALLEL_SELF_ATTENTION = swap_rewrite(
 )
 FEED_FORWARD = swap_rewrite("flux2.feed_forward", Flux2FeedForward, leaves=(rows("linear_in", _gate_up_parts),))
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
-HEAD_NORM = per_head_norm(2)
-
 # gate and up split the hidden units across ranks; linear_out all-reduces once.
 FEED_FORWARD_TP_PLAN = {
     "linear_in.gate": ColwiseParallel(),
@@ -68,8 +65,8 @@ FEED_FORWARD_TP_PLAN = {
     "linear_out": RowwiseParallel(),
 }
 
-# Heads and MLP hidden units split across ranks. Both parts of `to_out` leave partial sums, and its output resolves
-# their sum with one all-reduce: one collective per single-stream block.
+# Heads and MLP hidden units split across ranks (QK-norms on each rank's own heads). Both parts of `to_out` leave
+# partial sums, and its output resolves their sum with one all-reduce: one collective per single-stream block.
 PARALLEL_SELF_ATTENTION_TP_PLAN = {
     "to_qkv_mlp_proj.q": ColwiseParallel(),
     "to_qkv_mlp_proj.k": ColwiseParallel(),
@@ -79,23 +76,6 @@ PARALLEL_SELF_ATTENTION_TP_PLAN = {
     "norm_q": HEAD_NORM,
     "norm_k": HEAD_NORM,
     **under("to_out", SPLIT_PROJECTION_TP_PLAN),
-}
-
-
-# The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output projection.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-    "add_q_proj": ColwiseParallel(),
-    "add_k_proj": ColwiseParallel(),
-    "add_v_proj": ColwiseParallel(),
-    "norm_added_q": HEAD_NORM,
-    "norm_added_k": HEAD_NORM,
-    "to_add_out": RowwiseParallel(),
 }
 
 
@@ -202,9 +182,10 @@ REWRITES = (
     ),
 )
 
+# The double-stream attention (stock, already unfused): the shared plan, one all-reduce per output projection.
 TP_PLANS = {
-    Flux2Attention: ATTENTION_TP_PLAN,
-    Flux2SplitQKVAttention: ATTENTION_TP_PLAN,
+    Flux2Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    Flux2SplitQKVAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
     Flux2FeedForward: FEED_FORWARD_TP_PLAN,
     Flux2ParallelSelfAttention: PARALLEL_SELF_ATTENTION_TP_PLAN,
 }

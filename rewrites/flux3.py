@@ -31,11 +31,11 @@ from diffusers.models.transformers.transformer_flux3 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import Processors, recast, rows, swap_rewrite, translate
 from surgery.core.registry import Family, Rewrite
 from surgery.core.slicing import Slice, row_slices
-from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
 
@@ -103,19 +103,6 @@ REWRITES = (
     swap_rewrite("flux3.attention", Flux3Attention, processors=PROCESSORS),
 )
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]).
-HEAD_NORM = per_head_norm(2)
-
-# Heads split across ranks; the output projection all-reduces once.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-}
-
 # gate and up split the hidden units across ranks; linear_out all-reduces once.
 FEED_FORWARD_TP_PLAN = {
     "linear_in.gate": ColwiseParallel(),
@@ -123,6 +110,7 @@ FEED_FORWARD_TP_PLAN = {
     "linear_out": RowwiseParallel(),
 }
 
+# The attention: the shared plan, heads split across ranks; the output projection all-reduces once.
 TP_PLANS = {
     Flux3Attention: ATTENTION_TP_PLAN,
     Flux3SplitQKVAttention: ATTENTION_TP_PLAN,

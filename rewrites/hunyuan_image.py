@@ -24,12 +24,11 @@ from diffusers.models.transformers.transformer_hunyuanimage import (
     HunyuanImageSingleTransformerBlock,
     HunyuanImageTransformer2DModel,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel
 
-from surgery.core.leaves import Processors, columns, recast, swap_rewrite, under  # noqa: F401  (recast: older imports)
+from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import Processors, columns, recast, swap_rewrite  # noqa: F401  (recast: older imports)
 from surgery.core.registry import Family
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((HunyuanImageAttnProcessor,))
 REWRITES = (
@@ -42,24 +41,11 @@ REWRITES = (
 
 # --- tensor-parallel plans ------------------------------------------------------------------------------------------
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]).
-HEAD_NORM = per_head_norm(2)
+# The double-stream blocks' attention is diffusers' generic `Attention`, planned once in rewrites/qwenimage.py (for
+# every `Attention` running a head-dim twin processor).
 
-# The double-stream blocks' attention is diffusers' generic `Attention`, planned once in rewrites/diffusers_common.py
-# (for every `Attention` running a head-dim twin processor).
-
-# The single-stream block: heads and MLP hidden units split across ranks; both halves of proj_out leave partial sums
-# that one all-reduce resolves (SplitProjection's plan, written out here because the block is planned as a whole).
-SINGLE_BLOCK_TP_PLAN = {
-    "attn.to_q": ColwiseParallel(),
-    "attn.to_k": ColwiseParallel(),
-    "attn.to_v": ColwiseParallel(),
-    "attn.norm_q": HEAD_NORM,
-    "attn.norm_k": HEAD_NORM,
-    "proj_mlp": ColwiseParallel(),
-    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
-}
-
+# The single-stream block: FLUX.1's shared plan (rewrites/diffusers_common.py): heads and MLP hidden units split
+# across ranks; both halves of proj_out leave partial sums that one all-reduce resolves.
 TP_PLANS = {HunyuanImageSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN}
 
 

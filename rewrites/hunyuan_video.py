@@ -35,14 +35,12 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTransformer3DModel,
     HunyuanVideoTransformerBlock,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel
 
+from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
 from surgery.core.errors import SurgeryError
 from surgery.core.checks import mesh_sizes_dividing
-from surgery.core.leaves import Processors, columns, swap_rewrite, under
+from surgery.core.leaves import Processors, columns, swap_rewrite
 from surgery.core.registry import Family
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))
@@ -66,24 +64,12 @@ REWRITES = (
 
 # --- tensor-parallel plans ----------------------------------------------------------------------------------------
 
-# QK-norms act on each rank's own heads: the processors normalize [batch, seq, heads, head_dim].
-HEAD_NORM = per_head_norm(2)
-
 # Double-stream blocks and the token refiner: their attention is diffusers' generic `Attention` running a head-dim
-# twin, planned once in rewrites/diffusers_common.py; their FeedForwards use the shared plan there too.
+# twin, planned once in rewrites/qwenimage.py; their FeedForwards use the shared plan of rewrites/diffusers_common.py.
 
-# Single-stream blocks: heads and MLP hidden units split across ranks; the SplitProjection's halves leave partial sums,
-# resolved once on its output (before the gate and the residual): one all-reduce per block. Planned as a whole block
-# because `proj_mlp` is the block's own Linear; the `proj_out` entries are SplitProjection's plan.
-SINGLE_BLOCK_TP_PLAN = {
-    "attn.to_q": ColwiseParallel(),
-    "attn.to_k": ColwiseParallel(),
-    "attn.to_v": ColwiseParallel(),
-    "attn.norm_q": HEAD_NORM,
-    "attn.norm_k": HEAD_NORM,
-    "proj_mlp": ColwiseParallel(),
-    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
-}
+# Single-stream blocks: FLUX.1's shared plan (rewrites/diffusers_common.py): heads and MLP hidden units split across
+# ranks; the SplitProjection's halves leave partial sums, resolved once on its output (before the gate and the
+# residual): one all-reduce per block.
 
 
 def _check_single_block_heads(block: nn.Module, path: str, world: int) -> None:

@@ -10,7 +10,8 @@ attention processors that split heads by head size so that they run column-shard
 diffusers' `LongCatImageAttnProcessor` reshapes with the stored head count (`unflatten(-1, (attn.heads, -1))`), wrong
 on a rank that holds `heads / N` of them. `surgery.core.leaves.head_dim_twin` builds its twin from the stock source with
 that one edit (heads split by `head_dim`); blocks, forwards and attention classes stay diffusers' own. Ovis-Image,
-Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites` and the plans below.
+Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites` and the same shared plans
+(`rewrites/diffusers_common.py`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ from diffusers.models.transformers.transformer_longcat_image import (
     LongCatImageSingleTransformerBlock,
     LongCatImageTransformer2DModel,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.core.leaves import Leaf, Processors, columns, swap_rewrite, under
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import Leaf, Processors, columns, swap_rewrite
 from surgery.core.registry import Family, Rewrite
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 # The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
 PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)
@@ -61,39 +61,11 @@ REWRITES = flux_like_rewrites("longcat_image", LongCatImageSingleTransformerBloc
 
 # --- tensor-parallel plans ------------------------------------------------------------------------------------------
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]).
-HEAD_NORM = per_head_norm(2)
-
-# The double-stream block's attention: heads split across ranks, one all-reduce per output projection.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-    "add_q_proj": ColwiseParallel(),
-    "add_k_proj": ColwiseParallel(),
-    "add_v_proj": ColwiseParallel(),
-    "norm_added_q": HEAD_NORM,
-    "norm_added_k": HEAD_NORM,
-    "to_add_out": RowwiseParallel(),
-}
-
-# The single-stream block: heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums
-# that one all-reduce resolves (the shared SplitProjection plan, composed under `proj_out`).
-SINGLE_BLOCK_TP_PLAN = {
-    "attn.to_q": ColwiseParallel(),
-    "attn.to_k": ColwiseParallel(),
-    "attn.to_v": ColwiseParallel(),
-    "attn.norm_q": HEAD_NORM,
-    "attn.norm_k": HEAD_NORM,
-    "proj_mlp": ColwiseParallel(),
-    **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
-}
-
+# The double-stream block's attention: heads split across ranks, one all-reduce per output projection. The
+# single-stream block: heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums that
+# one all-reduce resolves. Both plans are the shared ones (rewrites/diffusers_common.py).
 TP_PLANS = {
-    LongCatImageAttention: ATTENTION_TP_PLAN,
+    LongCatImageAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
     LongCatImageSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
 }
 
@@ -141,7 +113,7 @@ def example_inputs(config: dict, **kwargs) -> dict:
     return flux_like_inputs(config, **kwargs, in_channels=64, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
 
 
-def rope_axes(head_dim: int, axes: int = 3) -> tuple[int, ...]:
+def balanced_rope_axes(head_dim: int, axes: int = 3) -> tuple[int, ...]:
     """Even rotary sizes summing to `head_dim`, the larger ones last (as in the published (16, 56, 56))."""
     if head_dim % 2 or head_dim < 2 * axes:
         raise SurgeryError(f"head_dim {head_dim} cannot be split into {axes} rotary axes of even size")
@@ -152,7 +124,7 @@ def rope_axes(head_dim: int, axes: int = 3) -> tuple[int, ...]:
 def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
     """A published config at demo size: same head count; fewer blocks, smaller heads, narrow text states."""
     return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
-                axes_dims_rope=rope_axes(head_dim), joint_attention_dim=64, pooled_projection_dim=64)
+                axes_dims_rope=balanced_rope_axes(head_dim), joint_attention_dim=64, pooled_projection_dim=64)
 
 
 def _small(**config) -> dict:

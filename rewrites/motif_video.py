@@ -34,11 +34,11 @@ from diffusers.models.transformers.transformer_motif_video import (
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.longcat_image import flux_like_rewrites, rope_axes
+from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
+from surgery_rewrites.longcat_image import balanced_rope_axes, flux_like_rewrites
 from surgery.core.leaves import Processors, swap_rewrite, under
 from surgery.core.registry import Family
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (
@@ -50,39 +50,11 @@ REWRITES = (
 
 # --- tensor-parallel plans ------------------------------------------------------------------------------------------
 
-# QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]).
-HEAD_NORM = per_head_norm(2)
-
-# The double block's self-attention: heads split across ranks, one all-reduce per output projection.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-    "add_q_proj": ColwiseParallel(),
-    "add_k_proj": ColwiseParallel(),
-    "add_v_proj": ColwiseParallel(),
-    "norm_added_q": HEAD_NORM,
-    "norm_added_k": HEAD_NORM,
-    "to_add_out": RowwiseParallel(),
-}
-
-# The double block's text cross-attention (its query input is whole): heads split across ranks, one all-reduce.
-CROSS_ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-}
-
-# The single-stream block: heads and MLP hidden units split across ranks; both halves of proj_out leave partial sums
-# that one all-reduce resolves. The optional cross-attention reads and adds to the column-sharded attention output:
-# its query and output projections reduce-scatter their partial sums back onto each rank's heads.
-SINGLE_BLOCK_TP_PLAN = {
+# The single-stream block: FLUX.1's (rewrites/diffusers_common.py) with an optional cross-attention. Heads and MLP
+# hidden units split across ranks; both halves of proj_out leave partial sums that one all-reduce resolves. The
+# cross-attention reads and adds to the column-sharded attention output: its query and output projections
+# reduce-scatter their partial sums back onto each rank's heads.
+CROSS_ATTENTION_SINGLE_BLOCK_TP_PLAN = {
     "attn.to_q": ColwiseParallel(),
     "attn.to_k": ColwiseParallel(),
     "attn.to_v": ColwiseParallel(),
@@ -98,10 +70,12 @@ SINGLE_BLOCK_TP_PLAN = {
     **under("proj_out", SPLIT_PROJECTION_TP_PLAN),
 }
 
+# The double block's self-attention (the shared double-stream plan) and its text cross-attention (its query input is
+# whole: the shared one-stream plan): heads split across ranks, one all-reduce per output projection.
 TP_PLANS = {
-    MotifVideoAttention: ATTENTION_TP_PLAN,
-    MotifVideoCrossAttention: CROSS_ATTENTION_TP_PLAN,
-    MotifVideoSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    MotifVideoAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    MotifVideoCrossAttention: ATTENTION_TP_PLAN,
+    MotifVideoSingleTransformerBlock: CROSS_ATTENTION_SINGLE_BLOCK_TP_PLAN,
 }
 
 
@@ -151,7 +125,7 @@ def example_inputs(
 def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
     """A published config at demo size: same head count and MLP ratio; fewer blocks, smaller heads, narrow text."""
     return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
-                rope_axes_dim=rope_axes(head_dim), text_embed_dim=64)
+                rope_axes_dim=balanced_rope_axes(head_dim), text_embed_dim=64)
 
 
 def _small(**config) -> dict:

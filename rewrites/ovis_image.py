@@ -30,13 +30,8 @@ from diffusers.models.transformers.transformer_ovis_image import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.longcat_image import (
-    ATTENTION_TP_PLAN,
-    HEAD_NORM,
-    flux_like_inputs,
-    flux_like_rewrites,
-    reduced,
-)
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
+from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.core.leaves import Processors, recast, rows, twin, under
 from surgery.core.registry import Family, Rewrite
 from surgery.core.slicing import row_slices
@@ -119,9 +114,9 @@ REWRITES = (
 
 # --- tensor-parallel plans ------------------------------------------------------------------------------------------
 
-# The single-stream block: heads and MLP hidden units (up and gate alike) split across ranks; both halves of proj_out
-# leave partial sums that one all-reduce resolves.
-SINGLE_BLOCK_TP_PLAN = {
+# The single-stream block: FLUX.1's (rewrites/diffusers_common.py) with a SwiGLU proj_mlp. Heads and MLP hidden units
+# (up and gate alike) split across ranks; both halves of proj_out leave partial sums that one all-reduce resolves.
+SWIGLU_SINGLE_BLOCK_TP_PLAN = {
     "attn.to_q": ColwiseParallel(),
     "attn.to_k": ColwiseParallel(),
     "attn.to_v": ColwiseParallel(),
@@ -140,8 +135,8 @@ FEED_FORWARD_TP_PLAN = {
 }
 
 TP_PLANS = {
-    OvisImageAttention: ATTENTION_TP_PLAN,
-    OvisImageUnfusedSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
+    OvisImageAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    OvisImageUnfusedSingleTransformerBlock: SWIGLU_SINGLE_BLOCK_TP_PLAN,
     SplitSwiGLUFeedForward: FEED_FORWARD_TP_PLAN,
 }
 

@@ -19,32 +19,15 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import runs_twin
 from surgery.core.registry import Family
-from surgery.parallel.plans import per_head_norm
 
-# QK-norms act on each rank's own heads: the processor normalizes [batch, seq, heads, head_dim].
-HEAD_NORM = per_head_norm(2)
-
-# diffusers' generic `Attention` as QwenImage's double-stream block builds it: heads split across ranks, one
-# all-reduce per output projection (image and text). Only the keys a module has apply.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-    "add_q_proj": ColwiseParallel(),
-    "add_k_proj": ColwiseParallel(),
-    "add_v_proj": ColwiseParallel(),
-    "norm_added_q": HEAD_NORM,
-    "norm_added_k": HEAD_NORM,
-    "to_add_out": RowwiseParallel(),
-}
+# diffusers' generic `Attention` as QwenImage's double-stream block builds it takes the shared double-stream plan
+# (rewrites/diffusers_common.py): heads split across ranks, one all-reduce per output projection (image and text).
+# Only the keys a module has apply.
 
 # Processors of `Attention` that split heads by head_dim, so a rank's column shard of q/k/v is whole heads: QwenImage's,
 # and the head-dim twins `unfuse` installs (HunyuanImage's and HunyuanVideo's blocks, see `surgery.core.leaves`): this one
@@ -141,7 +124,7 @@ FAMILY = Family(
     "match them); Qwen/Qwen-Image-Edit-2511: zero_cond_t=True",
     default_variant="qwen-image",
     example_inputs=example_inputs,
-    tp_plans={Attention: ATTENTION_TP_PLAN},
+    tp_plans={Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN},
     tp_when={Attention: _splits_by_head_dim},
     # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
     count_all_reduces=lambda config: 4 * config.get("num_layers", 60),

@@ -16,24 +16,12 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import Family
-from surgery.parallel.plans import per_head_norm
 
-# QK-norms act on each rank's own heads: the processors normalize [batch, seq, heads, head_dim].
-HEAD_NORM = per_head_norm(2)
-
-# heads split across ranks; one all-reduce for the output projection.
-ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
-}
-
-# gate and up split the hidden units across ranks; `out` all-reduces once.
+# The attention takes the shared one-stream plan (rewrites/diffusers_common.py): heads split across ranks, one
+# all-reduce for the output projection. gate and up split the hidden units across ranks; `out` all-reduces once.
 FEED_FORWARD_TP_PLAN = {
     "proj": ColwiseParallel(),
     "gate_layer": ColwiseParallel(),

@@ -76,7 +76,7 @@ def shard(mesh, src_data_rank=0):
 def failing_in_block(n: int, on_rank: int, rank: int):
     """`parallelize_module` that raises on its `n`-th call on one rank only (one call per double-stream block, so
     n=2 is block 2, `transformer_blocks.1`, after block 1 was sharded)."""
-    module = sys.modules["surgery.tensor_parallel"]
+    module = sys.modules["surgery.parallel.tensor_parallel"]
     original, calls = module.parallelize_module, []
 
     def parallelize(*args, **kwargs):

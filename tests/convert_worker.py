@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import surgery
-import surgery.io.checkpoint as checkpoint
+import surgery.io.safetensors_writer as writer
 
 
 def stall(src: str, dst: str, marker: str, after: int = 6) -> None:
-    write = checkpoint.write_chunk
+    write = writer.write_chunk
     calls = [0]
 
     def stalling(out, chunk):
@@ -28,8 +28,8 @@ def stall(src: str, dst: str, marker: str, after: int = 6) -> None:
             Path(marker).write_text(out.name)
             time.sleep(600)
 
-    checkpoint.write_chunk = stalling
-    checkpoint.BLOCK_BYTES = 64 * 1024
+    writer.write_chunk = stalling
+    writer.BLOCK_BYTES = 64 * 1024
     surgery.convert_checkpoint(src, dst, overwrite=True, max_shard_size="1MB")
 
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
 from flux2_testing import build, small_config
-from surgery.io import saving
+from surgery.io import safetensors_writer
 
 HANDSHAKE_S = 3
 CONFIG = small_config("tp_wide")
@@ -129,12 +129,12 @@ def run(rank: int, world: int, root: str) -> dict:
         case("disk_full_rank_1", lambda: surgery.save_pretrained(model, base), base)
     with fail_on(rank, 1, KeyboardInterrupt()):
         case("interrupt_rank_1", lambda: surgery.save_pretrained(model, base), base)
-    original = saving._write_file
+    original = safetensors_writer.write_file
 
     def failing(*args, **kwargs):
         raise OSError(errno.EFBIG, "File too large", str(args[0]))
 
-    with mock.patch.object(saving, "_write_file", failing if rank == 0 else original):
+    with mock.patch.object(safetensors_writer, "write_file", failing if rank == 0 else original):
         case("write_fails_rank_0", lambda: surgery.save_pretrained(model, base), base)
 
     # called on rank 0 only: rank 0 raises within the handshake timeout, naming rank 1; then both save fine

@@ -16,7 +16,7 @@ from unittest import mock
 import torch
 
 import surgery
-from surgery.io import atomic, saving
+from surgery.io import atomic, safetensors_writer, saving
 from flux2_testing import build, small_config
 
 TESTS = Path(__file__).parent
@@ -104,7 +104,7 @@ class OwnsOnlyWhatItWrites(Case):
         self.fused.save_pretrained(self.dst)
         self.mine(self.dst)
         before = tree(self.root)
-        with mock.patch.object(saving, "_write_file", side_effect=KeyboardInterrupt), \
+        with mock.patch.object(safetensors_writer, "write_file", side_effect=KeyboardInterrupt), \
                 self.assertRaises(KeyboardInterrupt):
             surgery.save_pretrained(self.model, self.dst)
         self.assertEqual(tree(self.root), before)  # no temporary folder, no lock file either
@@ -137,15 +137,15 @@ import sys, time
 from pathlib import Path
 from unittest import mock
 import surgery
-from surgery import saving
+from surgery.io import safetensors_writer
 from flux2_testing import build, small_config
 dst, marker = sys.argv[1:]
-real = saving._write_file
+real = safetensors_writer.write_file
 def stall(path, *args):
     real(path, *args)
     Path(marker).write_text(str(path))
     time.sleep(600)
-with mock.patch.object(saving, "_write_file", stall):
+with mock.patch.object(safetensors_writer, "write_file", stall):
     surgery.save_pretrained(surgery.unfuse(build(small_config("klein4b_small"), 1)), dst)
 """
 
@@ -177,10 +177,10 @@ class NeverAbsent(Case):
     def test_the_destination_is_whole_at_every_step_of_the_swap(self):
         self.fused.save_pretrained(self.dst)
         self.mine(self.dst)
-        staged = atomic.Staged(self.dst, saving_owns, "test")
+        staged = atomic.Staged(self.dst, safetensors_writer.owns, "test")
         surgery.save_pretrained  # noqa: B018 - the writer under test is the one both verbs use
-        saving._write_checkpoint(staged.path, saving._entries(saving._ModelTensors(self.model.state_dict()),
-                                                              saving._checkpoint_slices(self.model)), "10GB", None)
+        entries = saving._entries(saving._ModelTensors(self.model.state_dict()), saving._checkpoint_slices(self.model))
+        safetensors_writer.write_checkpoint(staged.path, entries, "10GB")
         self.model.save_config(staged.path)
         seen: list[str] = []
 
@@ -211,12 +211,6 @@ class NeverAbsent(Case):
                 patch.stop()
         self.assertEqual(seen, [])
         self.assert_new_checkpoint(self.dst)
-
-
-def saving_owns(name: str) -> bool:
-    from surgery.io.checkpoint import owns
-
-    return owns(name)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 import surgery
 import surgery.io.checkpoint as checkpoint
+import surgery.io.safetensors_writer as writer
 from flux2_testing import build, small_config
 from surgery.testing import run_on_cpu_ranks, single_rank_group
 from surgery.sight.report import local
@@ -154,14 +155,14 @@ class Interrupted(Workspace):
         build(small_config(CONFIG), SEED + 1).save_pretrained(self.other)
 
     def failing_write(self, error, after=3):
-        write, calls = checkpoint.write_chunk, [0]
+        write, calls = writer.write_chunk, [0]
 
         def failing(out, chunk):
             calls[0] += 1
             if calls[0] > after:
                 raise error
             write(out, chunk)
-        return mock.patch.object(checkpoint, "write_chunk", failing)
+        return mock.patch.object(writer, "write_chunk", failing)
 
     @parameterized.expand([("error", RuntimeError("boom"), "boom"),
                            ("full_disk", OSError(errno.ENOSPC, "No space left on device"),

@@ -43,6 +43,8 @@ class BadArguments(unittest.TestCase):
         (["demo", "--tp", "0"], "must be at least 1"),
         (["demo", "--model", "flux9"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
+        (["plan", "--model", "klein-9b"], "the following arguments are required: --tp"),
+        (["plan", "--show-plan", "--pipeline", "--json"], "--show-plan prints the plan alone: drop --pipeline, --json"),
     ])
     def test_exit_two_with_one_line(self, args, message):
         stderr = io.StringIO()
@@ -126,3 +128,16 @@ class Output(unittest.TestCase):
         self.assertFalse([line for line in table if "norm_q" in line or "norm_k" in line])
         self.assertIn("colwise (rows)", out)
         self.assertIn("rowwise (columns)", out)
+
+    def test_show_plan_prints_a_literal_plan_of_one_block_per_kind(self):
+        code, out = self.run_main("plan", "--model", "flux1-dev", "--show-plan")
+        self.assertEqual(code, 0)
+        scope: dict = {}
+        exec("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *", scope)
+        plan = eval(out, scope)  # the whole output is valid Python: comments and one dict
+        self.assertEqual(type(plan["transformer_blocks.*.attn.to_q"]).__name__, "ColwiseParallel")
+        self.assertIn('"single_transformer_blocks.*.proj_out.attn_part": '
+                      "RowwiseParallel(output_layouts=Partial(), use_local_output=False),", out)
+        self.assertIn("# single_transformer_blocks.*: 38 x FluxSingleTransformerBlock, as single_transformer_blocks.0",
+                      out)
+        self.assertEqual({key.split(".")[0] for key in plan}, {"transformer_blocks", "single_transformer_blocks"})

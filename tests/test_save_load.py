@@ -19,7 +19,7 @@ import save_worker
 import surgery
 from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
-from surgery.io import saving
+from surgery.io import safetensors_writer
 
 FP32_TOL = 1e-5
 
@@ -100,9 +100,9 @@ class SaveLoad(unittest.TestCase):
                 raise OSError("disk full")
             return real(*args, **kwargs)
 
-        real = saving._write_file
-        with mock.patch.object(saving, "_write_file", fail_on_second), self.assertRaisesRegex(surgery.SurgeryError,
-                                                                                    "cannot write .*disk full"):
+        real = safetensors_writer.write_file
+        with mock.patch.object(safetensors_writer, "write_file", fail_on_second), \
+                self.assertRaisesRegex(surgery.SurgeryError, "cannot write .*disk full"):
             surgery.save_pretrained(unfused, self.root / "model", max_shard_size="30KB")
         self.assertEqual(digests(self.root / "model"), before)
         self.assertEqual(sorted(p.name for p in self.root.iterdir()), ["model"])  # no temporary folder left
@@ -147,6 +147,74 @@ class SaveMemory(unittest.TestCase):
             # rank 0 also runs torch's consolidation, which holds about two of the largest tensor
             self.assertLess(r["peak"], 2 * r["largest_tensor"] + 8 * 2**20)
             self.assertLess(r["peak"], r["local_bytes"] / 2)
+
+
+class OneWriter(unittest.TestCase):
+    """`save_pretrained` and `convert_checkpoint` write every safetensors file through one writer, which fsyncs each
+    file once it is whole and lays it out byte for byte as safetensors does."""
+
+    def setUp(self):
+        self.root = Path(tempfile.mkdtemp(prefix="surgery-writer-"))
+        self.addCleanup(shutil.rmtree, self.root, ignore_errors=True)
+
+    def test_save_and_convert_both_write_through_it_and_fsync_each_file(self):
+        build(small_config("klein4b_small"), 0).save_pretrained(self.root / "stock")  # diffusers' own writer
+        unfused = surgery.unfuse(build(small_config("klein4b_small"), 1))
+        real_write, real_fsync = safetensors_writer.write_file, os.fsync
+        written: list[Path] = []
+        synced: dict[tuple[int, int], int] = {}  # (device, inode) -> size when fsynced inside write_file
+        inside = []
+
+        def write_file(path, *args):
+            inside.append(path)
+            try:
+                real_write(path, *args)
+            finally:
+                inside.pop()
+            written.append(path)
+
+        def fsync(fd):
+            if inside:
+                info = os.fstat(fd)
+                synced[info.st_dev, info.st_ino] = info.st_size
+            return real_fsync(fd)
+
+        with mock.patch.object(safetensors_writer, "write_file", write_file), mock.patch.object(os, "fsync", fsync):
+            surgery.save_pretrained(unfused, self.root / "saved", max_shard_size="30KB")
+            saved = len(written)
+            surgery.convert_checkpoint(self.root / "stock", self.root / "converted", max_shard_size="30KB")
+        outputs = {"saved": written[:saved], "converted": written[saved:]}
+        for folder, paths in outputs.items():
+            files = sorted((self.root / folder).glob("*.safetensors"))
+            self.assertGreater(len(files), 2, folder)  # sharded
+            self.assertEqual(sorted(p.name for p in paths), [f.name for f in files], folder)
+            for file in files:  # the very file (renamed with its folder since), fsynced whole, by the writer itself
+                info = file.stat()
+                self.assertEqual(synced.get((info.st_dev, info.st_ino)), info.st_size, file)
+
+    def test_a_file_is_what_safetensors_writes(self):
+        """Mixed dtypes (safetensors orders them by dtype, then name), a non-ASCII name, a scalar, an empty tensor,
+        and a tensor joined from column parts in several blocks."""
+        from safetensors.torch import save
+
+        generator = torch.Generator().manual_seed(0)
+        left, right = torch.randn(40, 3, generator=generator), torch.randn(40, 5, generator=generator)
+        tensors = {"b": torch.randn(7, 3, generator=generator).to(torch.bfloat16),
+                   "a": torch.randn(4, generator=generator).to(torch.float16),
+                   "z": torch.arange(5, dtype=torch.int64), "y": torch.randn(2, 2, dtype=torch.float64),
+                   "nü": torch.randn(3, generator=generator), "s": torch.tensor(2.5), "e": torch.empty(0, 4),
+                   "flag": torch.tensor([True, False]), "i8": torch.tensor([-1, 2], dtype=torch.int8),
+                   "joined": torch.cat([left, right], 1)}
+
+        def part(t):
+            return safetensors_writer.Part(t.shape[0] if t.dim() else 0, lambda rows: t if rows is None else t[rows])
+
+        entries = [safetensors_writer.Entry(name, t.dtype, tuple(t.shape), (part(t),))
+                   for name, t in tensors.items() if name != "joined"]
+        entries.append(safetensors_writer.Entry("joined", torch.float32, (40, 8), (part(left), part(right)), 1))
+        with mock.patch.object(safetensors_writer, "BLOCK_BYTES", 64):  # two rows a block
+            safetensors_writer.write_file(self.root / "x.safetensors", entries, {"format": "pt"})
+        self.assertEqual((self.root / "x.safetensors").read_bytes(), save(tensors, metadata={"format": "pt"}))
 
 
 class QKVFusionRoundTrip(unittest.TestCase):

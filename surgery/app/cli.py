@@ -10,8 +10,11 @@ from surgery.app.demo import demo_config, run
 from surgery.core.build import check_config, model_on_meta
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import families, model_names, resolve_model
+from surgery.core.rewrite import unfuse
 from surgery.io.checkpoint import convert_checkpoint
 from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
+from surgery.parallel.plans import block_path, effective_plan, plan_source, planned_for, style_source, wildcard_path
+from surgery.parallel.tensor_parallel import validate
 from surgery.sight import diagram, render, report as inspect
 from surgery.sight.explore import explore, serve_files
 
@@ -106,10 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the per-rank layout, memory and collectives of a model at a TP size, on one CPU",
         description="Builds the model on the meta device, unfuses it and shards it under torch's fake process group "
         "(nothing is allocated, no accelerator needed), then prints each parameter's placement and per-rank shape, "
-        "the bytes per rank, and the collectives of one forward.",
+        "the bytes per rank, and the collectives of one forward. With --show-plan, prints the plan itself instead.",
     )
     _model_arguments(plan)
-    plan.add_argument("--tp", type=_positive, required=True, help="tensor-parallel size")
+    plan.add_argument("--tp", type=_positive, help="tensor-parallel size (required, except with --show-plan)")
     plan.add_argument("--cp", type=_positive, default=1, help="context-parallel (Ulysses) size (default 1)")
     plan.add_argument("--dp", type=_positive, default=1, help="FSDP2 data-parallel size (default 1)")
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
@@ -119,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--pipeline", action="store_true",
                       help="every component of the published pipeline (transformer, text encoders, VAE): bytes per "
                       "rank, sharded and replicated")
+    plan.add_argument("--show-plan", action="store_true",
+                      help="print the plan surgery.tensor_parallel applies, one block of each kind, as a literal dict "
+                      "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
+                      "(with --tp: checked to fit that size)")
 
     inspect = commands.add_parser(
         "inspect", formatter_class=_Formatter, epilog=epilog,
@@ -215,11 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "inspect" and not args.svg and (args.tp or args.module or args.panels != "all"):
         parser.error("--tp, --module and --panels draw a diagram: add --svg OUT.svg")
+    if args.command == "plan" and args.show_plan:
+        extra = [flag for flag, given in (("--pipeline", args.pipeline), ("--json", args.json), ("--cp", args.cp > 1),
+                                          ("--dp", args.dp > 1)) if given]
+        if extra:
+            parser.error(f"--show-plan prints the plan alone: drop {', '.join(extra)}")
+    elif args.command == "plan" and args.tp is None:
+        parser.error("the following arguments are required: --tp")
     try:
         if args.command == "inspect" and args.svg:
             return _inspect_svg(args)
         if args.command == "explore":
             return _explore(args)
+        if args.command == "plan" and args.show_plan:
+            return _show_plan(args)
         if args.command in ("plan", "inspect"):
             return _plan_or_inspect(args)
         if args.command == "demo":
@@ -286,6 +302,38 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         print(render.plan_text(name, result))
         if args.cp > 1 or args.dp > 1:
             print(_mesh_lines(result))
+    return 0
+
+
+def _show_plan(args: argparse.Namespace) -> int:
+    """`plan --show-plan`: the effective plan of the first block of each kind, its keys made `<list>.*.<key>` so that
+    the printed dict, passed as `plan=`, shards every block of the kind alike (a kind whose blocks' plans differ is
+    written out block by block)."""
+
+    name, family, config = _config(args)
+    model = unfuse(model_on_meta(family, config))
+    validate(model, planned_for(model), args.tp or 1)  # no plan at all, or (with --tp) sizes the mesh cannot split
+    kinds: dict[str, dict[str, dict]] = {}  # kind -> block -> {key after the block: style}
+    for key, style in effective_plan(model).items():
+        block, _ = block_path(model, key)
+        kinds.setdefault(wildcard_path(model, block), {}).setdefault(block, {})[key[len(block):]] = style
+    plan, comments = {}, {}
+    for kind, blocks in kinds.items():
+        first, *rest = blocks
+        sources = {b: [(k, style_source(v)) for k, v in entries.items()] for b, entries in blocks.items()}
+        alike = all(sources[b] == sources[first] for b in rest)
+        what = type(model.get_submodule(first)).__name__
+        for block in [first] if alike else blocks:
+            entries = {(kind if alike else block) + key: style for key, style in blocks[block].items()}
+            comments[next(iter(entries))] = (
+                f"{kind}: {len(blocks)} x {what}, as {first}" if alike and rest else
+                f"{block}: {what}" + ("" if alike else f" ({kind}'s blocks differ: each is written out)"))
+            plan.update(entries)
+    size = f", checked at --tp {args.tp}" if args.tp is not None else " (the same at every TP size)"
+    print(f"# surgery.tensor_parallel's plan for {name}{size}: one block of each kind, '*' standing for\n"
+          "# every block of its list. Edit it, then pass it: tensor_parallel(model, mesh, plan=...). Its names:\n"
+          "# from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *")
+    print(plan_source(plan, comments))
     return 0
 
 

@@ -274,8 +274,19 @@ def _check(
     check_hooks(module, path, verb)
     rewrite.check(module, path, verb)
     slices = rewrite.slices(module)
-    sources = sorted({s.fused if unfusing else s.unfused for s in slices})
-    for name in sources:
+    _check_sources(module, path, rewrite, slices, unfusing, verb)
+    for fused_name, group in group_by_fused(slices):
+        if unfusing:
+            _check_fused_shape(module, path, fused_name, group, verb)
+        else:
+            _check_parts(module, path, fused_name, group, verb, optimizers)
+    return _replaced_parameters(module, path, rewrite, unfusing, verb, names)
+
+
+def _check_sources(module: nn.Module, path: str, rewrite: Rewrite, slices: list[Slice], unfusing: bool,
+                   verb: str) -> None:
+    """Every parameter the rewrite reads exists, on a plain Linear without hooks."""
+    for name in sorted({s.fused if unfusing else s.unfused for s in slices}):
         owner = name.rpartition(".")[0]
         try:
             linear = module.get_submodule(owner)
@@ -289,37 +300,47 @@ def _check(
         check_linear(linear, linear_path, verb)
         check_hooks(linear, linear_path, verb)
 
-    for fused_name, group in group_by_fused(slices):
-        dim = group[0].dim
-        if unfusing:
-            tensor = _param(module, fused_name)
-            expected = group[-1].stop
-            if tensor.dim() <= dim or tensor.shape[dim] != expected:
-                raise SurgeryError(
-                    f"surgery.{verb}: '{path}.{fused_name}' has shape {tuple(tensor.shape)}, but "
-                    f"{type(module).__name__}'s dimensions give {expected} along dim {dim}. Its attributes "
-                    "(heads, head_dim, mlp_hidden_dim) no longer describe its weights."
-                )
-            continue
-        parts = [_param(module, s.unfused) for s in group]
-        for s, part in zip(group, parts):
-            if part.dim() <= dim or part.shape[dim] != s.size:
-                raise SurgeryError(
-                    f"surgery.{verb}: '{path}.{s.unfused}' has shape {tuple(part.shape)}, but "
-                    f"{type(module).__name__}'s dimensions give {s.size} along dim {dim}."
-                )
-        for attr in ("dtype", "device", "requires_grad"):
-            values = {getattr(p, attr) for p in parts}
-            if len(values) > 1:
-                listed = ", ".join(f"{s.unfused}={getattr(p, attr)}" for s, p in zip(group, parts))
-                raise SurgeryError(
-                    f"surgery.{verb}: the parts of '{path}.{fused_name}' differ in {attr} ({listed}), which one fused "
-                    f"parameter cannot hold. Give them the same {attr} first."
-                )
-        _check_parts_state([_join(path, s.unfused) for s in group], parts, _join(path, fused_name), optimizers, verb)
 
-    # The swap drops every submodule and parameter of `module` that its counterpart does not adopt: those must carry
-    # nothing that would be lost with them (hooks of any kind, ties, inference tensors).
+def _check_fused_shape(module: nn.Module, path: str, fused_name: str, group: list[Slice], verb: str) -> None:
+    """The fused weight is as long as its slices say, along their dim."""
+    dim = group[0].dim
+    tensor = _param(module, fused_name)
+    expected = group[-1].stop
+    if tensor.dim() <= dim or tensor.shape[dim] != expected:
+        raise SurgeryError(
+            f"surgery.{verb}: '{path}.{fused_name}' has shape {tuple(tensor.shape)}, but "
+            f"{type(module).__name__}'s dimensions give {expected} along dim {dim}. Its attributes "
+            "(heads, head_dim, mlp_hidden_dim) no longer describe its weights."
+        )
+
+
+def _check_parts(module: nn.Module, path: str, fused_name: str, group: list[Slice], verb: str,
+                 optimizers: tuple) -> None:
+    """The unfused parts of one fused weight have their slices' sizes, one dtype, device and requires_grad, and
+    training state that can be joined."""
+    dim = group[0].dim
+    parts = [_param(module, s.unfused) for s in group]
+    for s, part in zip(group, parts):
+        if part.dim() <= dim or part.shape[dim] != s.size:
+            raise SurgeryError(
+                f"surgery.{verb}: '{path}.{s.unfused}' has shape {tuple(part.shape)}, but "
+                f"{type(module).__name__}'s dimensions give {s.size} along dim {dim}."
+            )
+    for attr in ("dtype", "device", "requires_grad"):
+        values = {getattr(p, attr) for p in parts}
+        if len(values) > 1:
+            listed = ", ".join(f"{s.unfused}={getattr(p, attr)}" for s, p in zip(group, parts))
+            raise SurgeryError(
+                f"surgery.{verb}: the parts of '{path}.{fused_name}' differ in {attr} ({listed}), which one fused "
+                f"parameter cannot hold. Give them the same {attr} first."
+            )
+    _check_parts_state([_join(path, s.unfused) for s in group], parts, _join(path, fused_name), optimizers, verb)
+
+
+def _replaced_parameters(module: nn.Module, path: str, rewrite: Rewrite, unfusing: bool, verb: str,
+                         names: dict[int, list[str]]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters the swap drops, by name. Every submodule and parameter of `module` that its counterpart does
+    not adopt must carry nothing that would be lost with it (hooks of any kind, ties, inference tensors)."""
     counterpart = (rewrite.build_unfused if unfusing else rewrite.build_fused)(module)
     kept_modules = {id(m) for m in counterpart.modules()}
     kept_params = {id(p) for p in counterpart.parameters()}
@@ -429,55 +450,14 @@ def _convert(
 ) -> tuple[nn.Module, int, list[_Move]]:
     """The other form of `module`, its slice targets filled from `module`'s parameters (grads and the optimizers'
     state carried the same way); the bytes copied; and what moved."""
-    slices = rewrite.slices(module)
     target = rewrite.build_unfused(module) if unfusing else rewrite.build_fused(module)
     copied = 0
     moves = []
-    for fused_name, group in group_by_fused(slices):
-        dim = group[0].dim
-        if unfusing:
-            source = _param(module, fused_name)
-            olds = [source]
-            pieces = [take(source, s) for s in group]
-            copied += sum(n for _, n in pieces)
-            news = [_set_param(target, s.unfused, piece, source.requires_grad) for s, (piece, _) in zip(group, pieces)]
-            quantities = [(olds, news, any(n for _, n in pieces))]
-            if source.grad is not None:
-                grads, grads_copied = _split(source.grad, group)
-                for param, grad in zip(news, grads):
-                    param.grad = grad
-                quantities.append(([source.grad], grads, grads_copied))
-        else:
-            olds = [_param(module, s.unfused) for s in group]
-            whole, n = concat(olds, dim)
-            copied += n
-            news = [_set_param(target, fused_name, whole, olds[0].requires_grad)]
-            quantities = [(olds, news, n > 0)]
-            if olds[0].grad is not None:
-                grads = [p.grad for p in olds]
-                news[0].grad, n = concat(grads, dim)
-                quantities.append((grads, [news[0].grad], n > 0))
-        new_states = {}
-        for opt in optimizers:
-            old_states = [opt.state.get(p) for p in olds]
-            if not old_states[0]:
-                continue
-            states: list[dict] = [{} for _ in news]
-            for key, value in old_states[0].items():
-                values = [st[key] for st in old_states]
-                if not all(_param_shaped(v, p) for v, p in zip(values, olds)):
-                    for st in states:
-                        st[key] = _copy_value(value)  # e.g. Adam's `step`
-                    continue
-                if unfusing:
-                    parts, part_copied = _split(value, group)
-                else:
-                    whole_value, n = concat(values, dim)
-                    parts, part_copied = [whole_value], n > 0
-                for st, part in zip(states, parts):
-                    st[key] = part
-                quantities.append((values, parts, part_copied))
-            new_states[id(opt)] = states
+    for fused_name, group in group_by_fused(rewrite.slices(module)):
+        unfuse_or_fuse = _unfuse_weights if unfusing else _fuse_weights
+        olds, news, quantities, n = unfuse_or_fuse(module, target, fused_name, group)
+        copied += n
+        new_states = _carry_optimizer_states(optimizers, olds, news, group, unfusing, quantities)
         moves.append(_Move(unfusing, group, olds, news, new_states, quantities))
     target.train(module.training)
     if not any(p.is_meta for p in module.parameters()):
@@ -485,6 +465,63 @@ def _convert(
         if unfilled:
             raise RuntimeError(f"rewrite {rewrite.name!r} built a {type(target).__name__} with {unfilled} unfilled.")
     return target, copied, moves
+
+
+def _unfuse_weights(module: nn.Module, target: nn.Module, fused_name: str, group: list[Slice]):
+    """One fused parameter (and its grad) sliced into `target`'s parts: `(olds, news, quantities, bytes copied)`."""
+    source = _param(module, fused_name)
+    pieces = [take(source, s) for s in group]
+    news = [_set_param(target, s.unfused, piece, source.requires_grad) for s, (piece, _) in zip(group, pieces)]
+    quantities = [([source], news, any(n for _, n in pieces))]
+    if source.grad is not None:
+        grads, grads_copied = _split(source.grad, group)
+        for param, grad in zip(news, grads):
+            param.grad = grad
+        quantities.append(([source.grad], grads, grads_copied))
+    return [source], news, quantities, sum(n for _, n in pieces)
+
+
+def _fuse_weights(module: nn.Module, target: nn.Module, fused_name: str, group: list[Slice]):
+    """One fused parameter (and its grad) of `target` joined from `module`'s parts: as `_unfuse_weights`."""
+    dim = group[0].dim
+    olds = [_param(module, s.unfused) for s in group]
+    whole, copied = concat(olds, dim)
+    news = [_set_param(target, fused_name, whole, olds[0].requires_grad)]
+    quantities = [(olds, news, copied > 0)]
+    if olds[0].grad is not None:
+        grads = [p.grad for p in olds]
+        news[0].grad, n = concat(grads, dim)
+        quantities.append((grads, [news[0].grad], n > 0))
+    return olds, news, quantities, copied
+
+
+def _carry_optimizer_states(optimizers: tuple, olds: list, news: list, group: list[Slice], unfusing: bool,
+                            quantities: list) -> dict[int, list[dict]]:
+    """Each optimizer's state of `olds`, sliced or joined as the weights were, for `news` (by optimizer id);
+    values not shaped like their parameter (Adam's `step`) are copied to each."""
+    dim = group[0].dim
+    new_states = {}
+    for opt in optimizers:
+        old_states = [opt.state.get(p) for p in olds]
+        if not old_states[0]:
+            continue
+        states: list[dict] = [{} for _ in news]
+        for key, value in old_states[0].items():
+            values = [st[key] for st in old_states]
+            if not all(_param_shaped(v, p) for v, p in zip(values, olds)):
+                for st in states:
+                    st[key] = _copy_value(value)  # e.g. Adam's `step`
+                continue
+            if unfusing:
+                parts, part_copied = _split(value, group)
+            else:
+                whole_value, n = concat(values, dim)
+                parts, part_copied = [whole_value], n > 0
+            for st, part in zip(states, parts):
+                st[key] = part
+            quantities.append((values, parts, part_copied))
+        new_states[id(opt)] = states
+    return new_states
 
 
 def _release(moves: list[_Move], released: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> None:

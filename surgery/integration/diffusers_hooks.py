@@ -30,7 +30,7 @@ from surgery.core.registry import registered
 from surgery.core.slicing import group_by_fused, take
 from surgery.core.state_dict import weight_slices
 from surgery.core.walk import find_modules
-from surgery.integration.lora import _module, lora_target_modules, stock_lora_adapter
+from surgery.integration.lora import _module, lora_target_modules, split_adapter, stock_lora_adapter, write_adapter
 from surgery.integration.lora_tp import load_sharded, save_sharded
 from surgery.io import saving
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
+import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, group_by_fused

@@ -1,4 +1,4 @@
-"""diffusers-format safetensors checkpoints: find the files, check them against the model, read slices, write shards.
+"""diffusers-format safetensors checkpoints: find the files, check them against the model, read slices, convert.
 
 Files are picked as diffusers' `from_pretrained` picks them: the index if present, else the canonical file name;
 variants (`diffusion_pytorch_model.fp16.safetensors`) only when asked for; other files are ignored. Every tensor's
@@ -6,7 +6,8 @@ dtype and shape is checked against the model built from `config.json` before any
 every error names the file.
 
 `convert_checkpoint` turns a fused diffusers checkpoint into the unfused layout and back, streaming (a few row
-blocks in memory at a time), into diffusers' sharded layout, atomically (`surgery.io.atomic`).
+blocks in memory at a time), into diffusers' sharded layout (`surgery.io.safetensors_writer`, the writer
+`save_pretrained` uses too), atomically (`surgery.io.atomic`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -30,31 +30,11 @@ from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice, fused_shape, group_by_fused
 from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import destination, staged_folder
+from surgery.io.safetensors_writer import (
+    DEFAULT_MAX_SHARD_SIZE, DTYPES, INDEX, WEIGHTS, Entry, Part, add_variant, owns, shard_bytes, write_checkpoint,
+)
 
-WEIGHTS = "diffusion_pytorch_model.safetensors"
-INDEX = "diffusion_pytorch_model.safetensors.index.json"
 TRANSFORMERS_WEIGHTS, TRANSFORMERS_INDEX = "model.safetensors", "model.safetensors.index.json"  # text encoders
-DEFAULT_MAX_SHARD_SIZE = "10GB"  # diffusers' ModelMixin.save_pretrained default
-BLOCK_BYTES = 16 * 2**20  # rows read and written at a time
-
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    """safetensors' name for a torch dtype ("F32", "BF16", ...)."""
-    return next(name for name, value in _DTYPES.items() if value == dtype)
-
-
-def add_variant(name: str, variant: str | None) -> str:
-    """diffusers' `_add_variant`: the variant goes before the last suffix (`x.safetensors` -> `x.fp16.safetensors`)."""
-    if variant is None:
-        return name
-    *stem, suffix = name.split(".")
-    return ".".join([*stem, variant, suffix])
 
 
 def _is_repo_id(text: str) -> bool:
@@ -177,7 +157,7 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
@@ -339,7 +319,7 @@ def check_tensors(reader: Reader, expected: dict[str, Spec], *,
                 f"'{file}': tensor {name!r} has shape {info.shape}, the model needs {shape}. "
                 "Does config.json match the weights?"
             )
-        if info.dtype not in _DTYPES:
+        if info.dtype not in DTYPES:
             raise SurgeryError(f"'{file}': tensor {name!r} has dtype {info.dtype}, which surgery cannot read.")
         if dtype.is_floating_point and not info.torch_dtype.is_floating_point:
             raise SurgeryError(
@@ -357,133 +337,12 @@ def check_tensors(reader: Reader, expected: dict[str, Spec], *,
             fix = "save the parts in one dtype" if mixed_dtypes else "pass dtype= to cast every tensor to one dtype"
             raise SurgeryError(
                 f"'{reader.files[odd]}': tensor {odd!r} is {infos[odd].torch_dtype} while {what} "
-                f"{_DTYPES[common]} (e.g. {other!r} in '{reader.files[other].name}'): {fix}."
+                f"{DTYPES[common]} (e.g. {other!r} in '{reader.files[other].name}'): {fix}."
             )
     return infos
 
 
-# ---- writing ----------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Planned:
-    """One tensor to write: the concatenation along `dim` of `parts`, each (source name, index into it)."""
-
-    name: str
-    info: TensorInfo
-    parts: tuple[tuple[str, tuple[slice, ...] | None], ...]
-    dim: int = 0
-
-
-def _rows(index: tuple[slice, ...] | None, ndim: int, start: int, stop: int) -> tuple[slice, ...]:
-    """`index` narrowed to rows start:stop of the piece it selects."""
-    index = list(index or (slice(None),) * ndim)
-    base = index[0].start or 0
-    index[0] = slice(base + start, base + stop)
-    return tuple(index)
-
-
-def _blocks(reader: Reader, planned: Planned) -> Iterator[torch.Tensor]:
-    """`planned`'s tensor as consecutive blocks of rows (about BLOCK_BYTES each), so peak memory stays small."""
-    shape = planned.info.shape
-    if len(shape) == 0 or planned.info.nbytes == 0:
-        yield torch.cat([reader.read(name, index) for name, index in planned.parts], planned.dim) \
-            if len(planned.parts) > 1 else reader.read(*planned.parts[0])
-        return
-    step = max(1, BLOCK_BYTES * shape[0] // planned.info.nbytes)
-    ndim = len(shape)
-    if planned.dim == 0:  # rows one part after the other
-        for name, index in planned.parts:
-            whole = reader.info(name).shape[0]
-            rows = len(range(whole)[index[0]]) if index else whole
-            for start in range(0, rows, step):
-                yield reader.read(name, _rows(index, ndim, start, min(start + step, rows)))
-        return
-    for start in range(0, shape[0], step):
-        stop = min(start + step, shape[0])
-        pieces = [reader.read(name, _rows(index, ndim, start, stop)) for name, index in planned.parts]
-        yield torch.cat(pieces, planned.dim) if len(pieces) > 1 else pieces[0]
-
-
-def _header(planned: list[Planned], metadata: dict[str, str]) -> bytes:
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for p in planned:
-        header[p.name] = {"dtype": p.info.dtype, "shape": list(p.info.shape),
-                          "data_offsets": [offset, offset + p.info.nbytes]}
-        offset += p.info.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
-    return len(encoded).to_bytes(8, "little") + encoded
-
-
-def write_chunk(out, chunk: torch.Tensor) -> None:
-    """Write a tensor's bytes (no copy beyond making it contiguous)."""
-    out.write(chunk.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def write_safetensors(path: Path, reader: Reader, planned: list[Planned], metadata: dict[str, str]) -> None:
-    """A safetensors file whose tensors are read block by block from `reader` (the header first: sizes are known)."""
-    try:
-        _write_safetensors(path, reader, planned, metadata)
-    except OSError as error:
-        if error.filename is None:  # a failed write() names no file
-            raise OSError(error.errno, error.strerror, str(path)) from error
-        raise
-
-
-def _write_safetensors(path: Path, reader: Reader, planned: list[Planned], metadata: dict[str, str]) -> None:
-    with open(path, "wb") as out:
-        out.write(_header(planned, metadata))
-        for p in planned:
-            written = 0
-            for block in _blocks(reader, p):
-                if block.dtype != p.info.torch_dtype:
-                    raise SurgeryError(f"{p.name}: read {block.dtype}, planned {p.info.torch_dtype} (a bug).")
-                write_chunk(out, block)
-                written += block.numel() * block.element_size()
-            if written != p.info.nbytes:
-                raise SurgeryError(f"{p.name}: wrote {written} bytes, planned {p.info.nbytes} (a bug).")
-        out.flush()
-        os.fsync(out.fileno())
-
-
-def shard_plan(planned: list[Planned], max_shard_size: int | str, variant: str | None = None
-               ) -> tuple[dict[str, list[Planned]], dict | None]:
-    """diffusers' shard files and index for `planned`, from huggingface_hub's own splitter on meta tensors.
-
-    Returns file name -> tensors, and the index to write (None when one file holds everything).
-    """
-    from huggingface_hub import split_torch_state_dict_into_shards
-
-    weights = add_variant(WEIGHTS, variant)
-    pattern = weights.replace(".safetensors", "{suffix}.safetensors")  # as ModelMixin.save_pretrained builds it
-    metas = {p.name: torch.empty(p.info.shape, dtype=p.info.torch_dtype, device="meta") for p in planned}
-    split = split_torch_state_dict_into_shards(metas, max_shard_size=shard_bytes(max_shard_size),
-                                               filename_pattern=pattern)
-    by_name = {p.name: p for p in planned}
-    files = {file: [by_name[name] for name in names] for file, names in split.filename_to_tensors.items()}
-    if not split.is_sharded:
-        return files, None
-    return files, {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-
-
-def shard_bytes(max_shard_size: int | str) -> int:
-    """`max_shard_size` in bytes, parsed as huggingface_hub parses it ("5GB" = 5e9, "60KB"); refused if not positive."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # what split_torch_state_dict_into_shards uses
-
-    try:
-        size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(str(max_shard_size))
-    except ValueError as error:
-        raise SurgeryError(f"max_shard_size {max_shard_size!r}: {error}") from None
-    if size < 1:
-        raise SurgeryError(f"max_shard_size {max_shard_size!r} is not positive: give a size such as '5GB'.")
-    return size
-
-
-def owns(name: str) -> bool:
-    """Files of a diffusers model checkpoint: what convert writes and `overwrite` replaces."""
-    return name == "config.json" or name.startswith("diffusion_pytorch_model")
-
+# ---- convert --------------------------------------------------------------------------------------------------------
 
 def _holds_checkpoint(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if owns(p.name) or p.name.endswith(".safetensors"))
@@ -517,11 +376,26 @@ def _destination(dst: str | os.PathLike, source: Path, overwrite: bool) -> Path:
     return target
 
 
-def _plan(reader: Reader, infos: dict[str, TensorInfo], slices: list[Slice], to: str) -> list[Planned]:
+def _part(reader: Reader, name: str, shape: tuple[int, ...], index: tuple[slice, ...] | None) -> Part:
+    """The rows of stored tensor `name` (of `shape`) that `index` selects (all of it for None), read as asked."""
+    rows = (len(range(shape[0])[index[0]]) if index else shape[0]) if shape else 0
+
+    def read(block: slice | None) -> torch.Tensor:
+        if block is None:
+            return reader.read(name, index)
+        narrowed = list(index or (slice(None),) * len(shape))
+        base = narrowed[0].start or 0
+        narrowed[0] = slice(base + block.start, base + block.stop)
+        return reader.read(name, tuple(narrowed))
+
+    return Part(rows, read)
+
+
+def _plan(reader: Reader, infos: dict[str, TensorInfo], slices: list[Slice], to: str) -> list[Entry]:
     """Every tensor of the other layout, in the checkpoint's order."""
     by_fused = dict(group_by_fused(slices))
     by_unfused = {s.unfused: s for s in slices}
-    planned: list[Planned] = []
+    planned: list[Entry] = []
     emitted: set[str] = set()
     for name in reader.files:
         info = infos[name]
@@ -529,17 +403,17 @@ def _plan(reader: Reader, infos: dict[str, TensorInfo], slices: list[Slice], to:
             for s in by_fused[name]:
                 index = [slice(None)] * len(info.shape)
                 index[s.dim] = slice(s.start, s.stop)
-                planned.append(Planned(s.unfused, TensorInfo(info.dtype, s.unfused_shape(info.shape)),
-                                       ((name, tuple(index)),)))
+                planned.append(Entry(s.unfused, info.torch_dtype, s.unfused_shape(info.shape),
+                                     (_part(reader, name, info.shape, tuple(index)),)))
         elif to == "fused" and name in by_unfused:
             group = by_fused[by_unfused[name].fused]
             if group[0].fused not in emitted:
                 emitted.add(group[0].fused)
                 shape = fused_shape(infos[group[0].unfused].shape, group)
-                planned.append(Planned(group[0].fused, TensorInfo(info.dtype, shape),
-                                       tuple((s.unfused, None) for s in group), group[0].dim))
+                parts = tuple(_part(reader, s.unfused, infos[s.unfused].shape, None) for s in group)
+                planned.append(Entry(group[0].fused, info.torch_dtype, shape, parts, group[0].dim))
         else:
-            planned.append(Planned(name, info, ((name, None),)))
+            planned.append(Entry(name, info.torch_dtype, info.shape, (_part(reader, name, info.shape, None),)))
     return planned
 
 
@@ -573,13 +447,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
             raise SurgeryError(f"'{folder}' is already in the {to} layout.")
         siblings = [[s.unfused for s in group] for _, group in group_by_fused(slices)] if layout == "unfused" else []
         infos = check_tensors(reader, expected_tensors(model, slices, layout), mixed_dtypes=True, siblings=siblings)
-        files, index = shard_plan(_plan(reader, infos, slices, to), max_shard_size, variant)
-        metadata = {**reader.metadata(), "format": "pt"}
+        planned = _plan(reader, infos, slices, to)
         with staged_folder(target, owns, "surgery.convert") as staged:
-            for file, planned in files.items():
-                write_safetensors(staged / file, reader, planned, metadata)
-            if index is not None:
-                with open(staged / add_variant(INDEX, variant), "w", encoding="utf-8") as f:
-                    f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")  # as save_pretrained writes it
+            write_checkpoint(staged, planned, max_shard_size, variant, reader.metadata())
             shutil.copyfile(folder / "config.json", staged / "config.json")
     return target

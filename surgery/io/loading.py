@@ -77,8 +77,8 @@ def load_tensor_parallel(
     The result equals `tensor_parallel(unfuse(fully_loaded), mesh)` bitwise, on the mesh's device. Peak host memory
     is about this rank's shard plus the largest tensor it reads.
 
-    Loading runs no collective; the ranks then agree (`surgery.parallel.agreement`) before returning, so that a rank that
-    failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
+    Loading runs no collective; the ranks then agree (`surgery.parallel.agreement`) before returning, so that a rank
+    that failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
     others to wait in the model's first collective, and ranks that built different models (class, config, shapes,
     dtypes) are refused.
 

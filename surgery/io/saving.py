@@ -5,8 +5,9 @@
 swapped into place when complete (`surgery.io.atomic`, which keeps the folder's other files). It holds about one tensor
 in memory beyond the model:
 
-- an unsharded model: each fused tensor is written from its parts one part (row splits) or one block of rows
-  (column splits) at a time;
+- an unsharded model: each tensor of the fused layout is written from its parts one block of rows at a time, by the
+  writer `convert_checkpoint` uses too (`surgery.io.safetensors_writer`: diffusers' shard names and index, each file
+  byte for byte as safetensors writes it, fsynced);
 - a tensor-parallel model: torch's distributed checkpoint (`torch.distributed.checkpoint`, its Hugging Face
   safetensors writer) writes every rank's shards and consolidates them into full tensors of the unfused layout, one
   file per tensor; rank 0 then streams those into diffusers' fused layout and shard files, as above.
@@ -18,13 +19,12 @@ checkpoint, FSDP2, PEFT and optimizers rely on; `fused_layout(model)` turns it f
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,10 @@ from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
 from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import Staged, destination, staged_folder
-from surgery.io.checkpoint import _DTYPES, _safetensors_dtype, owns, shard_bytes
+from surgery.io.safetensors_writer import (
+    DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
+)
 from surgery.parallel.agreement import agree, agree_and_share
-
-# Column splits are joined in blocks of rows of about this many bytes.
-_BLOCK_BYTES = 4 << 20
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -140,7 +139,6 @@ class _FileTensors:
             with safe_open(file, "pt") as f:
                 self.files.update({name: file for name in f.keys()})
         self.order = order
-        self._dtypes = _DTYPES
 
     def names(self) -> list[str]:
         return self.order
@@ -150,7 +148,7 @@ class _FileTensors:
 
         with safe_open(self.files[name], "pt") as f:
             piece = f.get_slice(name)
-            return self._dtypes[piece.get_dtype()], tuple(piece.get_shape())
+            return DTYPES[piece.get_dtype()], tuple(piece.get_shape())
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
         from safetensors import safe_open
@@ -159,92 +157,19 @@ class _FileTensors:
             return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
-# --- writing -------------------------------------------------------------------------------------------------------
-
-Entry = tuple[str, torch.dtype, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]
-
-
 def _entries(source, slices: list[Slice]) -> list[Entry]:
-    """(name, dtype, shape, pieces) of every tensor of the fused layout; `pieces()` yields its bytes in order."""
+    """Every tensor of the fused layout, in the fused model's order, each joined from its parts in `source`."""
     entries: list[Entry] = []
     for name, group in fused_order(source.names(), slices):
+        names = [name] if group is None else [s.unfused for s in group]
+        metas = [source.meta(n) for n in names]
+        parts = tuple(Part(shape[0] if shape else 0, partial(source.read, n)) for n, (_, shape) in zip(names, metas))
+        dtype, shape = metas[0]
         if group is None:
-            dtype, shape = source.meta(name)
-            entries.append((name, dtype, shape, lambda n=name: iter([source.read(n)])))
-            continue
-        dtype, first = source.meta(group[0].unfused)
-        shape = fused_shape(first, group)
-        parts = [s.unfused for s in group]
-        if group[0].dim == 0:  # rows: the parts' bytes one after another
-            pieces = lambda parts=parts: (source.read(p) for p in parts)  # noqa: E731
-        else:  # columns: blocks of rows of every part side by side
-            row_bytes = max(1, torch.Size(shape[1:]).numel() * torch.empty((), dtype=dtype).element_size())
-            step = max(1, _BLOCK_BYTES // row_bytes)
-            pieces = lambda parts=parts, n=shape[0], step=step, dim=group[0].dim: (  # noqa: E731
-                torch.cat([source.read(p, slice(i, min(i + step, n))) for p in parts], dim=dim)
-                for i in range(0, n, step)
-            )
-        entries.append((name, dtype, shape, pieces))
+            entries.append(Entry(name, dtype, shape, parts))
+        else:
+            entries.append(Entry(name, dtype, fused_shape(shape, group), parts, group[0].dim))
     return entries
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-
-
-def _write_file(path: Path, entries: list[Entry], metadata: dict[str, str]) -> None:
-    """One safetensors file whose tensors are written piece by piece, laid out as safetensors lays them out.
-
-    By hand because safetensors' writers take whole tensors (and `save_file` copies them into one buffer first).
-    safetensors orders tensors by dtype (widest alignment first), then name; so does this, so that a file of one
-    dtype is byte for byte what `save_file` writes.
-    """
-
-    entries = sorted(entries, key=lambda e: (-torch.empty((), dtype=e[1]).element_size(), e[0]))
-
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, dtype, shape, _ in entries:
-        size = _nbytes(dtype, shape)
-        header[name] = {"dtype": _safetensors_dtype(dtype), "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(encoded)))
-        out.write(encoded)
-        for name, dtype, shape, pieces in entries:
-            written = 0
-            for piece in pieces():
-                if piece.dtype != dtype:
-                    raise RuntimeError(f"{name}: a piece of dtype {piece.dtype}, declared {dtype}")
-                data = piece.contiguous().reshape(-1).view(torch.uint8).numpy()
-                out.write(memoryview(data))
-                written += data.nbytes
-            if written != _nbytes(dtype, shape):
-                raise RuntimeError(f"{name}: wrote {written} bytes for {dtype} {shape}")
-
-
-def _write_checkpoint(folder: Path, entries: list[Entry], max_shard_size: int | str, variant: str | None) -> None:
-    """diffusers' file layout: shards named and grouped as `save_pretrained` names and groups them, plus the index."""
-    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME, _add_variant
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    weights_name = _add_variant(SAFETENSORS_WEIGHTS_NAME, variant)
-    by_name = {e[0]: e for e in entries}
-    split = split_state_dict_into_shards_factory(
-        by_name,
-        get_storage_size=lambda e: _nbytes(e[1], e[2]),
-        filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"),
-        max_shard_size=max_shard_size,
-    )
-    for filename, names in split.filename_to_tensors.items():
-        _write_file(folder / filename, [by_name[n] for n in names], {"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": split.tensor_to_filename}
-        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-        (folder / _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)).write_text(text)
 
 
 VERB = "surgery.save_pretrained"
@@ -272,7 +197,8 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
 
 
 def save_pretrained(
-    model: nn.Module, folder: str | os.PathLike, *, max_shard_size: int | str = "10GB", variant: str | None = None
+    model: nn.Module, folder: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    variant: str | None = None,
 ) -> Path:
     """Write `model` (fused, unfused or tensor-parallel) as the stock diffusers checkpoint in `folder`; returns it.
 
@@ -290,7 +216,7 @@ def save_pretrained(
         target = _check(model, folder, max_shard_size)
         slices = _checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
-            _write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
             model.save_config(staged)
         return target
     return _save_sharded(model, folder, max_shard_size, variant)
@@ -390,7 +316,7 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
         del state_dict
         if rank == 0:
             slices = _checkpoint_slices(model)
-            _write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
             (tmp / marker).unlink()
             model.save_config(tmp)

@@ -1,12 +1,14 @@
 """`tensor_parallel`: shard an unfused model with stock `parallelize_module`, one call per transformer block.
 
 Each module class that can be sharded has a plan of stock styles registered beside its definition (see
-each family's file in `rewrites/`). Nothing here runs in forward: the plans' hooks and DTensor do all the work.
+each family's file in `rewrites/`); a caller may pass a literal plan instead. The plan each block gets is assembled
+in `surgery.parallel.plans` (`effective_plan` shows it). Nothing here runs in forward: the plans' hooks and DTensor
+do all the work.
 """
 
 from __future__ import annotations
 
-import copy
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -17,17 +19,23 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
-from surgery.parallel.agreement import agree, fingerprint
-from surgery.core.errors import SurgeryError
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
+from surgery.core.errors import SurgeryError
 from surgery.core.registry import tp_plan_for, tp_plans
+from surgery.parallel.agreement import agree, fingerprint
+from surgery.parallel.plans import (  # noqa: F401  (planned_modules: surgery.io.loading imports it from here)
+    FilterFn,
+    Planned,
+    block_plans,
+    check_unfused,
+    enclosing,
+    planned_for,
+    planned_modules,
+)
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
-from surgery.parallel.plans import block_path, planned_modules
-from surgery.core.walk import find_modules
 
 
 def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> dict[str, tuple] | None:
@@ -58,16 +66,9 @@ def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def validate(model: nn.Module, planned: list, world: int) -> None:
+def validate(model: nn.Module, planned: Planned, world: int) -> None:
     """Every check `tensor_parallel` makes, before anything changes."""
-    fused = find_modules(model, fused=True)
-    if fused:
-        path, module, _ = fused[0]
-        raise SurgeryError(
-            f"surgery.tensor_parallel: '{path}' is still a fused {type(module).__name__} ({len(fused)} fused "
-            "module(s) in all); column sharding would cut across its concatenated projections. Call "
-            "surgery.unfuse(model) first."
-        )
+    check_unfused(model)
     if not planned:
         known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
         raise SurgeryError(
@@ -103,22 +104,6 @@ def validate(model: nn.Module, planned: list, world: int) -> None:
                     f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
                     f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
                 )
-
-
-def block_plans(model: nn.Module, planned: list) -> list[tuple[str, dict[str, ParallelStyle], ParallelStyle | None]]:
-    """`(block path, plan relative to the block, style for the block itself)`, each style a fresh copy."""
-    blocks: dict[str, tuple[dict, list]] = {}
-    for path, _, plan in planned:
-        block, _ = block_path(model, path)
-        relative = path[len(block) :].lstrip(".")
-        entries, own = blocks.setdefault(block, ({}, []))
-        for key, style in plan.items():
-            full = ".".join(p for p in (relative, key) if p)
-            if full:
-                entries[full] = copy.copy(style)
-            else:
-                own.append(copy.copy(style))
-    return [(block, entries, own[0] if own else None) for block, (entries, own) in blocks.items()]
 
 
 def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> None:
@@ -183,16 +168,26 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
                 data.copy_(on_mesh)
 
 
-def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> nn.Module:
+def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle] | None = None,
+                    filter_fn: FilterFn | None = None, *, src_data_rank: int | None = 0) -> nn.Module:
     """Shard an unfused model over a 1-D `mesh` with stock `parallelize_module`; in place, returns `model`.
 
-    Every check runs first, on every rank, and the ranks agree before the first collective (`surgery.parallel.agreement`):
-    a refusal on any rank, or ranks holding different models (class, config, shapes, dtypes; with
-    `src_data_rank=None` the weights too), raises the same `SurgeryError` on every rank and leaves the model
-    untouched. `src_data_rank` (a rank of `mesh`) is the rank whose weights every rank ends up with, as in
-    `parallelize_module`; `None` lets each rank slice its own identical copy (loaded from one checkpoint) with no
-    collective at all. Weights may sit on another device than the mesh (CPU weights, a cuda or neuron mesh): only
-    shards are moved. Call `model.to(device)` afterwards to move the replicated rest.
+    By default every module with a registered plan is sharded, each block with the plan
+    `surgery.parallel.plans.effective_plan(model)` shows. `plan` replaces them with a literal
+    `{module path: stock style}` (`"transformer_blocks.*.attn.to_q": ColwiseParallel()`, `*` standing for one name
+    as in `parallelize_module`), checked like the registered ones: a key that matches no module, or a module that two
+    keys match, is refused, and the heads and sizes of what it shards must split over the mesh. `filter_fn(module,
+    fqn)` (torchao's `quantize_` signature) keeps only the planned modules it returns True for; the others stay
+    whole on every rank. Keep or drop a block's entries together: a block half sharded computes with mismatched
+    shapes.
+
+    Every check runs first, on every rank, and the ranks agree before the first collective
+    (`surgery.parallel.agreement`): a refusal on any rank, or ranks holding different models (class, config, shapes,
+    dtypes; with `src_data_rank=None` the weights too) or given different plans, raises the same `SurgeryError` on
+    every rank and leaves the model untouched. `src_data_rank` (a rank of `mesh`) is the rank whose weights every
+    rank ends up with, as in `parallelize_module`; `None` lets each rank slice its own identical copy (loaded from one
+    checkpoint) with no collective at all. Weights may sit on another device than the mesh (CPU weights, a cuda or
+    neuron mesh): only shards are moved. Call `model.to(device)` afterwards to move the replicated rest.
 
     Sharding then runs block by block, each block in two steps. First every rank shards the block's own weights,
     which needs no collective, and the ranks exchange their verdicts (one small `all_gather_object`); for an integer
@@ -208,23 +203,31 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | 
     that were views of one fused storage come back as separate tensors of the same values.
     """
     mesh = one_dim_mesh(mesh)
-    planned = planned_modules(model)
     world = mesh.size()
 
-    def check() -> None:
-        validate(model, planned, world)
+    def check() -> Planned:
+        planned = planned_for(model, plan, filter_fn)
+        # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered
+        # plans' owners are
+        validate(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
         check_source(model, src_data_rank, world)
+        return planned
 
-    agree(mesh, "tensor_parallel", check,
-          lambda _: fingerprint(model, world, src_data_rank, weights=src_data_rank is None),
-          reference=src_data_rank or 0)
+    def fingerprint_of(planned: Planned) -> dict[str, dict]:
+        parts = fingerprint(model, world, src_data_rank, weights=src_data_rank is None)
+        if plan is not None or filter_fn is not None:  # ranks given different plans would shard differently
+            parts["call"]["plan"] = plan_digest(planned)
+        return parts
+
+    planned = agree(mesh, "tensor_parallel", check, fingerprint_of, reference=src_data_rank or 0)
     done: list[ModuleStates] = []
-    for path, plan, own in block_plans(model, planned):
+    for path, block_plan in block_plans(model, planned).items():
+        own = block_plan.pop("", None)
         block = model.get_submodule(path)
         saved = ModuleStates(block)
         error: BaseException | None = None
         try:
-            apply_block(block, plan, own, mesh, src_data_rank=None)
+            apply_block(block, block_plan, own, mesh, src_data_rank=None)
         except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
             saved.restore()
             error = caught
@@ -259,10 +262,19 @@ def apply_block(block: nn.Module, plan: dict, own: ParallelStyle | None, mesh: D
         parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
 
 
-def apply_plans(model: nn.Module, planned: list, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+def apply_plans(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_rank: int | None) -> None:
     """`apply_block` for every block of `model`."""
-    for path, plan, own in block_plans(model, planned):
+    for path, plan in block_plans(model, planned).items():
+        own = plan.pop("", None)
         apply_block(model.get_submodule(path), plan, own, mesh, src_data_rank)
+
+
+def plan_digest(planned: Planned) -> str:
+    """A short digest of what `planned` shards and how, for the ranks to compare before sharding."""
+    entries = [(path, key, f"{type(style).__qualname__} {sorted(vars(style).items())!r}")
+               for path, _, plan in planned for key, style in plan.items()]
+    digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).hexdigest()
+    return f"{len(entries)} planned modules, digest {digest}"
 
 
 def _raise(error: BaseException | None) -> None:

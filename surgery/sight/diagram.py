@@ -266,107 +266,132 @@ def reduce(traced: torch.fx.GraphModule, module: nn.Module, title: str = "") -> 
 
     Leaf Linears, norms and activation modules become one node each (all the ops they ran), a marked call (attention)
     one node, collectives one node each; joins (`cat`, `split`, and `mul`/`add`/`slice` of computed branches) stay;
-    slices (`chunk` halves), casts, views and arithmetic on side inputs (rotary embeddings, modulation) are looked through. Edges carry the
-    shape of the tensor that crosses them.
+    slices (`chunk` halves), casts, views and arithmetic on side inputs (rotary embeddings, modulation) are looked
+    through. Edges carry the shape of the tensor that crosses them.
     """
-    modules = dict(module.named_modules())
-    # A module that still holds fused parts is the stock form: tensor_parallel refuses it until it is unfused, so its
-    # stock projections are drawn as such (not as "replicated" beside a sharded neighbour).
-    stock = bool(find_modules(module, fused=True))
-    planned = {} if stock else _sharding(module)
-    slice_notes = _slices(module)
-    nodes: dict[str, Node] = {}
-    edges: dict[tuple[str, str], Edge] = {}
-    source: dict[str, str | None] = {}  # fx node -> the reduced node whose value it carries
-    counter = {"n": 0}
+    reducer = _Reducer(module)
+    for fx_node in traced.graph.nodes:
+        reducer.add(fx_node)
+    nodes, edges = reducer.pruned()
+    _mark_partial(reducer.nodes, reducer.edges)
+    return BlockGraph(title, nodes, edges, traced=traced, module=module)
 
-    def new(kind: str, label: str, key: str | None = None) -> Node:
-        counter["n"] += 1
-        node = Node(id=key or f"{kind}_{counter['n']}", kind=kind, label=label)
-        nodes[node.id] = node
+
+class _Reducer:
+    """The state of one `reduce`: the reduced nodes and edges so far, and which reduced node each fx node feeds."""
+
+    def __init__(self, module: nn.Module):
+        self.modules = dict(module.named_modules())
+        # A module that still holds fused parts is the stock form: tensor_parallel refuses it until it is unfused, so
+        # its stock projections are drawn as such (not as "replicated" beside a sharded neighbour).
+        self.stock = bool(find_modules(module, fused=True))
+        self.planned = {} if self.stock else _sharding(module)
+        self.slice_notes = _slices(module)
+        self.nodes: dict[str, Node] = {}
+        self.edges: dict[tuple[str, str], Edge] = {}
+        self.source: dict[str, str | None] = {}  # fx node -> the reduced node whose value it carries
+        self.count = 0
+
+    def new(self, kind: str, label: str, key: str | None = None) -> Node:
+        self.count += 1
+        node = Node(id=key or f"{kind}_{self.count}", kind=kind, label=label)
+        self.nodes[node.id] = node
         return node
 
-    def connect(node: Node, fx_inputs: list[torch.fx.Node]) -> None:
+    def connect(self, node: Node, fx_inputs: list[torch.fx.Node]) -> None:
         for arg in fx_inputs:
-            src = source.get(arg.name)
+            src = self.source.get(arg.name)
             if not src or src == node.id:
                 continue
             shape = _shape_text(arg.meta.get("val"))
-            edge = edges.get((src, node.id))
+            edge = self.edges.get((src, node.id))
             if edge is None:
-                edges[(src, node.id)] = Edge(src, node.id, shape)
+                self.edges[(src, node.id)] = Edge(src, node.id, shape)
             elif edge.shape != shape:  # parts of one value (a split tuple's elements): label the whole value
-                edge.shape = nodes[src].shape or edge.shape
+                edge.shape = self.nodes[src].shape or edge.shape
 
-    for fx_node in traced.graph.nodes:
+    def add(self, fx_node: torch.fx.Node) -> None:
         if fx_node.op == "placeholder":
-            name = fx_node.meta.get("surgery_input", fx_node.name)
-            node = new("input", name, key=f"input:{name}")
-            node.shape = _shape_text(fx_node.meta.get("val"))
-            node.fx.append(fx_node.name)
-            source[fx_node.name] = node.id
-            continue
-        if fx_node.op == "output":
-            node = new("output", "output", key="output")
-            outputs = [a for a in pytree.tree_leaves(fx_node.args) if isinstance(a, torch.fx.Node)]
-            connect(node, outputs)
-            node.shape = " + ".join(_shape_text(a.meta.get("val")) for a in outputs if source.get(a.name))
-            continue
-        if fx_node.op != "call_function":
-            continue
+            self.add_input(fx_node)
+        elif fx_node.op == "output":
+            self.add_output(fx_node)
+        elif fx_node.op == "call_function":
+            self.add_call(fx_node)
+
+    def add_input(self, fx_node: torch.fx.Node) -> None:
+        name = fx_node.meta.get("surgery_input", fx_node.name)
+        node = self.new("input", name, key=f"input:{name}")
+        node.shape = _shape_text(fx_node.meta.get("val"))
+        node.fx.append(fx_node.name)
+        self.source[fx_node.name] = node.id
+
+    def add_output(self, fx_node: torch.fx.Node) -> None:
+        node = self.new("output", "output", key="output")
+        outputs = [a for a in pytree.tree_leaves(fx_node.args) if isinstance(a, torch.fx.Node)]
+        self.connect(node, outputs)
+        node.shape = " + ".join(_shape_text(a.meta.get("val")) for a in outputs if self.source.get(a.name))
+
+    def add_call(self, fx_node: torch.fx.Node) -> None:
+        """One op: a collective, part of a call or leaf module's node, a kept op, or looked through."""
         data = [a for a in pytree.tree_leaves((fx_node.args, fx_node.kwargs))
                 if isinstance(a, torch.fx.Node) and a.op != "get_attr"]
-        feeding = list(dict.fromkeys(source[a.name] for a in data if source.get(a.name)))
+        feeding = list(dict.fromkeys(self.source[a.name] for a in data if self.source.get(a.name)))
+        node = self.node_for(fx_node, data, feeding)
+        if node is None:  # looked through: carries the reduced node of its main input
+            self.source[fx_node.name] = _main_source(fx_node, data, self.source, self.nodes)
+            return
+        self.connect(node, data)
+        node.fx.append(fx_node.name)
+        node.shape = _shape_text(fx_node.meta.get("val")) or node.shape
+        self.source[fx_node.name] = node.id
+
+    def node_for(self, fx_node: torch.fx.Node, data: list, feeding: list[str]) -> Node | None:
+        """The reduced node an op belongs to (made on first sight), or None for an op that is looked through."""
         namespace, op = _op(fx_node)
         custom = fx_node.meta.get("custom") or {}
         stack = list((fx_node.meta.get("nn_module_stack") or {}).values())
         path = stack[-1][0] if stack else ""
-        leaf = modules.get(path)
+        leaf = self.modules.get(path)
         leaf_kind = _module_kind(leaf) if leaf is not None and path else None
-
         group = custom.get("surgery_call") or (f"module:{path}" if leaf_kind else None)
-        if group and op in _PASS and feeding and nodes[feeding[0]].kind == "collective":
+        if group and op in _PASS and feeding and self.nodes[feeding[0]].kind == "collective":
             group = None  # the views after a collective in a Linear's output hook belong to the collective
         if namespace in _COLLECTIVE_NAMESPACES and op != "wait_tensor":  # also inside a Linear's output hook
             reduce_op = next((a for a in fx_node.args if isinstance(a, str)), "")
-            node = new("collective", f"{op} ({reduce_op})" if reduce_op else op)
+            node = self.new("collective", f"{op} ({reduce_op})" if reduce_op else op)
             node.module = path
             value = fx_node.meta.get("val")
             node.bytes = value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
-        elif group:  # one node for all the ops of a call or of a leaf module
-            key = group
-            node = nodes.get(key)
+            return node
+        if group:  # one node for all the ops of a call or of a leaf module
+            node = self.nodes.get(group)
             if node is None:
                 kind = custom.get("surgery_kind") or leaf_kind
-                node = new(kind, path if leaf_kind else kind, key=key)
+                node = self.new(kind, path if leaf_kind else kind, key=group)
                 node.module = path
                 if leaf_kind:
-                    _describe_module(node, leaf, path, planned, slice_notes, stock, modules)
-        elif op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or (op in _COMBINE and _joins(fx_node, data, feeding, nodes)):
-            kind = "activation" if op in _ACTIVATIONS else "norm" if op in _NORMS else "join"
-            node = new(kind, op)
+                    _describe_module(node, leaf, path, self.planned, self.slice_notes, self.stock, self.modules)
+            return node
+        joins = op in _COMBINE and _joins(fx_node, data, feeding, self.nodes)
+        if op in _ACTIVATIONS or op in _NORMS or op in _SPLITS or joins:
+            node = self.new("activation" if op in _ACTIVATIONS else "norm" if op in _NORMS else "join", op)
             node.module = path
-        else:  # looked through: carries the reduced node of its main input
-            source[fx_node.name] = _main_source(fx_node, data, source, nodes)
-            continue
-        connect(node, data)
-        node.fx.append(fx_node.name)
-        node.shape = _shape_text(fx_node.meta.get("val")) or node.shape
-        source[fx_node.name] = node.id
+            return node
+        return None
 
-    # Dead ends (a modulation split whose parts are only looked through) go, then the inputs left unconnected.
-    while True:
-        feeds = {e.src for e in edges.values()}
-        dead = [n for n in nodes if nodes[n].kind not in ("input", "output") and n not in feeds]
-        if not dead:
-            break
-        for n in dead:
-            del nodes[n]
-        edges = {k: e for k, e in edges.items() if e.dst in nodes}
-    used = {e.src for e in edges.values()} | {e.dst for e in edges.values()}
-    kept = [n for n in nodes.values() if n.kind not in ("input", "output") or n.id in used]
-    _mark_partial(nodes, edges)
-    return BlockGraph(title, kept, list(edges.values()), traced=traced, module=module)
+    def pruned(self) -> tuple[list[Node], list[Edge]]:
+        """Dead ends (a modulation split whose parts are only looked through) go, then the inputs left unconnected."""
+        while True:
+            feeds = {e.src for e in self.edges.values()}
+            dead = [n for n in self.nodes if self.nodes[n].kind not in ("input", "output") and n not in feeds]
+            if not dead:
+                break
+            for n in dead:
+                del self.nodes[n]
+            self.edges = {k: e for k, e in self.edges.items() if e.dst in self.nodes}
+        used = {e.src for e in self.edges.values()} | {e.dst for e in self.edges.values()}
+        kept = [n for n in self.nodes.values() if n.kind not in ("input", "output") or n.id in used]
+        return kept, list(self.edges.values())
 
 
 def _mark_partial(nodes: dict, edges: dict) -> None:

@@ -13,12 +13,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from surgery.core.build import default_dtype, model_on_meta, resolve_config  # noqa: F401  (plan builds on meta)
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import Family, model_class, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.context_parallel import context_parallel
-from surgery.parallel.distributed import CollectiveCounter
+from surgery.parallel.distributed import CollectiveCounter, fake_process_group
 from surgery.parallel.tensor_parallel import tensor_parallel
 
 

@@ -1,0 +1,196 @@
+"""The engine's folders are its layers: every import (those inside functions too) points to the same layer or one
+below it, no two modules import each other (directly or round a loop), and no module of surgery is imported lazily.
+
+The graph is read from the source (the AST), not from `sys.modules`, so an import that only runs on some path
+counts as much as one at the top of a file.
+"""
+
+from __future__ import annotations
+
+import ast
+import tempfile
+import unittest
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom to top. A module may import modules of its own layer and of the layers before it, never those after.
+LAYERS = (
+    ("core", ("surgery.core",)),
+    ("parallel", ("surgery.parallel",)),
+    ("io", ("surgery.io",)),
+    ("integration", ("surgery.integration",)),
+    ("families", ("surgery_rewrites",)),
+    ("api", ("surgery",)),  # the facade, surgery/__init__.py: the public verbs
+    ("testing", ("surgery.testing",)),
+    ("sight", ("surgery.sight",)),
+    ("app", ("surgery.app", "surgery.__main__")),
+)
+# The families are data on top of the rewrite core and the stock styles: nothing of io, integration or above.
+FAMILIES_MAY_IMPORT = {"core", "parallel", "families"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((ROOT / "surgery").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    for path in sorted((ROOT / "rewrites").glob("*.py")):
+        found["surgery_rewrites" + ("" if path.stem == "__init__" else f".{path.stem}")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int, bool]]:
+    """`(imported module, line, inside a function or class)` for every import of a module in `known`."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(node) for node in tree.body}
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            # `from package import submodule` is an import of the submodule, not of the package's __init__
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+        for target in dict.fromkeys(targets):
+            if target in known and target != name:
+                found.append((target, node.lineno, id(node) not in top))
+    return found
+
+
+def layer_of(name: str) -> int:
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    if best is None:
+        raise AssertionError(f"{name} belongs to no declared layer: add it to LAYERS in {__file__}")
+    return best[0]
+
+
+def graph() -> dict[str, list[tuple[str, int, bool]]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, list]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _, _ in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+class Layers(unittest.TestCase):
+    def test_every_module_has_a_layer(self):
+        for name in modules():
+            layer_of(name)
+
+    def test_no_import_points_up(self):
+        upward = []
+        for name, edges in graph().items():
+            for target, line, _ in edges:
+                if layer_of(target) > layer_of(name):
+                    upward.append(f"{name}:{line} imports {target} "
+                                  f"({LAYERS[layer_of(name)][0]} -> {LAYERS[layer_of(target)][0]})")
+        self.assertEqual(upward, [])
+
+    def test_families_import_only_the_core_and_parallel(self):
+        allowed = {i for i, (layer, _) in enumerate(LAYERS) if layer in FAMILIES_MAY_IMPORT}
+        wrong = [f"{name}:{line} imports {target}" for name, edges in graph().items()
+                 if name.startswith("surgery_rewrites") for target, line, _ in edges if layer_of(target) not in allowed]
+        self.assertEqual(wrong, [])
+
+    def test_no_cycles_lazy_imports_included(self):
+        self.assertEqual(cycles(graph()), [])
+
+    def test_no_lazy_import_of_surgery(self):
+        lazy = [f"{name}:{line} imports {target} inside a function" for name, edges in graph().items()
+                for target, line, inside in edges if inside]
+        self.assertEqual(lazy, [])
+
+    def test_the_checks_see_a_broken_graph(self):
+        """The checks above must be able to fail: an upward edge, a loop and a lazy import, added on paper."""
+        edges = graph()
+        self.assertIn("surgery.core.slicing", [t for t, _, _ in edges["surgery.core.rewrite"]])
+        edges["surgery.core.rewrite"] = edges["surgery.core.rewrite"] + [("surgery.integration.interop", 1, True)]
+        edges["surgery.core.slicing"] = edges["surgery.core.slicing"] + [("surgery.core.rewrite", 1, True)]
+        self.assertTrue(any(layer_of(t) > layer_of("surgery.core.rewrite") for t, _, _ in edges["surgery.core.rewrite"]))
+        loops = sum(cycles(edges), [])
+        self.assertIn("surgery.core.rewrite", loops)
+        self.assertIn("surgery.core.slicing", loops)
+
+    def test_imports_are_read_from_function_bodies_and_relative_forms(self):
+        source = "from .slicing import Slice\n\ndef f():\n    from surgery.parallel import plans\n"
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "probe.py"
+            path.write_text(source)
+            found = imports("surgery.core.probe", path, {**modules(), "surgery.core.probe": path})
+        self.assertIn(("surgery.core.slicing", 1, False), found)
+        self.assertIn(("surgery.parallel.plans", 4, True), found)
+
+
+class InstalledNames(unittest.TestCase):
+    def test_the_families_install_as_surgery_rewrites(self):
+        import surgery  # noqa: F401
+        import surgery_rewrites
+
+        self.assertEqual(Path(surgery_rewrites.__file__).parent, ROOT / "rewrites")
+        text = (ROOT / "pyproject.toml").read_text()
+        self.assertIn('"surgery_rewrites" = "rewrites"', text)
+        self.assertNotIn('"rewrites*"', text)
+
+    def test_importing_the_folder_by_its_old_name_is_refused(self):
+        import subprocess
+        import sys
+
+        result = subprocess.run([sys.executable, "-c", "import rewrites"], cwd=ROOT, capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("surgery_rewrites", result.stderr)
+
+    def test_moved_module_paths_still_resolve_with_a_warning(self):
+        import surgery
+        from surgery.sight import report
+
+        with self.assertWarnsRegex(DeprecationWarning, "surgery.sight.report"):
+            self.assertIs(surgery.inspect, report)
+        with self.assertWarnsRegex(DeprecationWarning, "weight_slices"):
+            surgery.key_map(__import__("torch").nn.Linear(2, 2))
+
+
+if __name__ == "__main__":
+    unittest.main()
