@@ -13,6 +13,10 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
+from diffusers.models._modeling_parallel import TensorParallelConfig
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+import diffusers.hooks.tensor_parallel as dtp
+import torch.distributed as dist
 
 from surgery.parallel.distributed import CollectiveCounter, run_on_cpu_ranks
 from surgery.core.build import default_dtype
@@ -47,8 +51,6 @@ def diffusers_packed_tp(model: nn.Module, mesh, plan: dict | None = None) -> nn.
     fused model; plain ones on an unfused model). diffusers refuses a CPU mesh; for a like-for-like comparison on gloo
     that one check is lifted here.
     """
-    import diffusers.hooks.tensor_parallel as dtp
-    from diffusers.models._modeling_parallel import TensorParallelConfig
 
     config = TensorParallelConfig(mesh=mesh)
     config.setup(mesh.get_rank(), mesh.size(), torch.device(mesh.device_type), mesh)
@@ -61,7 +63,6 @@ def diffusers_packed_tp(model: nn.Module, mesh, plan: dict | None = None) -> nn.
 def keep_attention_backend(test) -> None:
     """Restore diffusers' process-wide active attention backend when `test` ends: `ModelMixin.set_attention_backend`
     sets it for every model in the process, not only the one it is called on."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     test.addCleanup(_AttentionBackendRegistry.set_active_backend, _AttentionBackendRegistry.get_active_backend()[0])
 
@@ -69,7 +70,6 @@ def keep_attention_backend(test) -> None:
 @contextlib.contextmanager
 def single_rank_group() -> Iterator[None]:
     """A gloo process group of one rank in this process, joined through a file store (no port to pick)."""
-    import torch.distributed as dist
 
     with tempfile.TemporaryDirectory(prefix="surgery-store-") as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)

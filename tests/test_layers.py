@@ -26,6 +26,17 @@ LAYERS = (
     ("sight", ("surgery.sight",)),
     ("app", ("surgery.app", "surgery.__main__")),
 )
+# The only packages imported inside functions, each for the reason given: what `pyproject.toml` leaves optional. Any
+# other import sits at the top of its module, where a reader sees it; an import inside `try: ... except ImportError`
+# (a private module that not every version has) says why beside it too.
+LAZY_ALLOWED = {
+    "peft": "LoRA; a user's own install or the [test] extra, not a dependency",
+    "transformers": "text encoders only; not a dependency",
+    "graphviz": "diagrams; without it they print as text tables",
+    "model_explorer": "the [explore] extra",
+    "IPython": "there only inside a notebook",
+}
+
 # The families are data on top of the rewrite core and the stock styles: nothing of io, integration or above.
 FAMILIES_MAY_IMPORT = {"core", "parallel", "families"}
 
@@ -142,6 +153,25 @@ class Layers(unittest.TestCase):
         lazy = [f"{name}:{line} imports {target} inside a function" for name, edges in graph().items()
                 for target, line, inside in edges if inside]
         self.assertEqual(lazy, [])
+
+    def test_lazy_imports_only_of_optional_packages_each_with_its_reason(self):
+        wrong = []
+        for name, path in modules().items():
+            source = path.read_text()
+            tree = ast.parse(source)
+            lines = source.splitlines()
+            top = {id(node) for node in tree.body}
+            guarded = {id(n) for node in ast.walk(tree) if isinstance(node, ast.Try)
+                       and any("ImportError" in ast.unparse(h.type or ast.Name("")) for h in node.handlers)
+                       for n in ast.walk(node)}
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in top or getattr(node, "level", 0):
+                    continue
+                package = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+                said = "#" in lines[node.end_lineno - 1] or "#" in lines[node.lineno - 2]
+                if not said or (package not in LAZY_ALLOWED and id(node) not in guarded):
+                    wrong.append(f"{name}:{node.lineno} imports {package} inside a function")
+        self.assertEqual(wrong, [])
 
     def test_the_checks_see_a_broken_graph(self):
         """The checks above must be able to fail: an upward edge, a loop and a lazy import, added on paper."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
+import torch
 
 from surgery.app.demo import demo_config, run
 from surgery.core.build import check_config, model_on_meta
@@ -38,13 +40,9 @@ class _Formatter(argparse.HelpFormatter):
     hyphen); lines of an epilog that start with two spaces are kept as they are (the list of models)."""
 
     def _split_lines(self, text, width):
-        import textwrap
-
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
 
     def _fill_text(self, text, width, indent):
-        import textwrap
-
         out = []
         for paragraph in text.split("\n"):
             if paragraph.startswith("  "):
@@ -59,7 +57,6 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def _models_epilog() -> str:
-
     return "models (--model), by family:\n" + "\n".join(
         f"  {family}: {', '.join(names)}" for family, names in model_names(by_family=True).items())
 
@@ -217,7 +214,6 @@ def _class_name(family) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "inspect" and not args.svg and (args.tp or args.module or args.panels != "all"):
@@ -241,7 +237,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(parser, args)
         if args.command == "convert":
-
             written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
                                          max_shard_size=args.max_shard_size, variant=args.variant)
             print(f"wrote {written}")
@@ -256,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-
     overrides = {k: v for k, v in (("layers", args.layers), ("single_layers", args.single_layers),
                                    ("head_dim", args.head_dim)) if v is not None}
     try:
@@ -270,9 +264,6 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _plan_or_inspect(args: argparse.Namespace) -> int:
-    import torch
-
-
     name, family, config = _config(args)
     if args.command == "inspect":
         model = inspect.model_on_meta(family, config)
@@ -287,7 +278,6 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         print(render.text_table(rows))
         return 0
     if args.pipeline:
-
         if args.config is not None or args.cp > 1 or args.dp > 1:
             raise SurgeryError("plan --pipeline takes --model (a published pipeline) and --tp only, not --config, "
                                "--cp or --dp.")
@@ -339,7 +329,6 @@ def _show_plan(args: argparse.Namespace) -> int:
 
 def _block_forms(args: argparse.Namespace):
     """The model of --model/--config on meta (bf16), and its example inputs at 1024x1024 (4096 image + 512 text)."""
-    import torch
 
 
     name, family, config = _config(args)
@@ -349,7 +338,6 @@ def _block_forms(args: argparse.Namespace):
 
 
 def _inspect_svg(args: argparse.Namespace) -> int:
-
     name, model, inputs = _block_forms(args)
     graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
     if args.panels != "all":
@@ -370,7 +358,6 @@ def _inspect_svg(args: argparse.Namespace) -> int:
 
 
 def _explore(args: argparse.Namespace) -> int:
-
     name, model, inputs = _block_forms(args)
     files = explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=False)
     print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})",

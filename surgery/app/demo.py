@@ -8,6 +8,8 @@ import time
 import warnings
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import surgery
 from surgery.core.registry import Family, families, resolve_model
@@ -55,8 +57,6 @@ def _interleaved(models: list, inputs: dict, repeats: int = 5) -> list[float]:
 def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dtype_name: str,
             tokens: tuple[int, int]) -> dict:
     """One CPU rank of the demo: fused reference, unfuse, tensor_parallel, compare, count."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
 
 
 
@@ -94,7 +94,6 @@ def _describe(family: Family, config: dict) -> str:
 
 
 def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_tokens: int, **overrides) -> int:
-
     quiet_diffusers_deprecations()
     family, variant = resolve_model(model)
     config = demo_config(model, **overrides)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(tensor, DTensor)
 
 
@@ -55,8 +57,6 @@ def check_model(model: nn.Module, verb: str) -> None:
 
 def wrapper_kind(module: nn.Module) -> str | None:
     """The data-parallel wrapper `module` is (or has become), if any: DDP, FSDP1, or an FSDP2 `fully_shard` module."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(module, DistributedDataParallel):
         return "DistributedDataParallel"

@@ -17,6 +17,8 @@ from typing import Callable, Iterable, Union
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
 from surgery.core.checks import (
@@ -208,8 +210,6 @@ def _check_holders(
     suspects = {id(p): name for name, p in checked[:-1] if sys.getrefcount(p) > alone}
     if not suspects:
         return
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
 
     passed = {id(opt) for opt in optimizers}
     inside = {id(m) for m in model.modules()}

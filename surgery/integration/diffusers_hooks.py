@@ -23,6 +23,14 @@ import inspect
 
 import torch
 import torch.nn as nn
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+from diffusers.loaders.lora_base import _fetch_state_dict
+from diffusers.utils.peft_utils import get_adapter_name
+from pathlib import Path
+import copy
+import os
+import re
 
 from surgery.core.checks import SURGERY_LOAD_HOOK
 from surgery.core.errors import SurgeryError
@@ -151,7 +159,6 @@ def _own(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def _registered():
-
     return registered()
 
 
@@ -188,12 +195,9 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
     """diffusers' `load_lora_adapter` for an adapter in stock names: split first. See `surgery.integration.diffusers_hooks`."""
 
     if saving.is_sharded(self):
-
         return load_sharded(self, pretrained_model_name_or_path_or_dict, prefix, hotswap, kwargs)
     state_dict, metadata = pretrained_model_name_or_path_or_dict, kwargs.pop("metadata", None)
     if not isinstance(state_dict, dict):
-        from diffusers.loaders.lora_base import _fetch_state_dict
-
         state_dict, metadata = _fetch_state_dict(
             pretrained_model_name_or_path_or_dict=state_dict,
             weight_name=kwargs.pop("weight_name", None),
@@ -219,15 +223,10 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
 def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upcast_before_saving: bool = False,
                        safe_serialization: bool = True, weight_name: str | None = None):
     """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.stock_lora_adapter`)."""
-    import os
-    from pathlib import Path
 
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
 
 
     if adapter_name is None:
-        from diffusers.utils.peft_utils import get_adapter_name
-
         adapter_name = get_adapter_name(self)
     if adapter_name not in getattr(self, "peft_config", {}):  # diffusers' own check and message, first
         raise ValueError(f"Adapter name {adapter_name} not found in the model.")
@@ -235,7 +234,6 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
     if upcast_before_saving:
         self.to(dtype=torch.float32)
     if saving.is_sharded(self):
-
         return save_sharded(self, save_directory, adapter_name, safe_serialization, weight_name)
     state_dict, config = stock_lora_adapter(self, adapter_name)
     if os.path.isfile(save_directory):
@@ -254,7 +252,7 @@ def stock_targets(model: nn.Module, target_modules):
     Without it, a stock name selects other layers on the unfused model: a new part's name may end like a stock
     module's (`to_q`), and a fused module's name (`to_qkv_mlp_proj`, `proj_out`) no longer names a Linear.
     """
-    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND  # lazy: peft is optional
 
 
     if target_modules is None or target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND:
@@ -270,14 +268,12 @@ def stock_targets(model: nn.Module, target_modules):
     if not names:
         return None
     # one regex PEFT full-matches: a list entry is also a suffix ('proj_out' would pick 'blocks.0.proj_out' too)
-    import re
 
     return "^(?:" + "|".join(re.escape(n) for n in sorted(names)) + ")$"
 
 
 def _add_adapter(self, adapter_config, adapter_name: str = "default"):
     """diffusers' `add_adapter`, with `target_modules` selecting the layers it selects on the stock model."""
-    import copy
 
     targets = stock_targets(self, getattr(adapter_config, "target_modules", None))
     if targets is not None:

@@ -11,6 +11,11 @@ from typing import Mapping
 
 import torch
 import torch.nn as nn
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.utils import convert_unet_state_dict_to_peft
+import json
+import math
+import safetensors.torch
 
 from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, group_by_fused
@@ -139,8 +144,8 @@ def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:
     mlp.linear_up): pass the result as `LoraConfig(target_modules=...)` on the unfused model so that training touches
     exactly the stock layers.
     """
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft import LoraConfig  # lazy: peft is optional
+    from peft.tuners.tuners_utils import check_target_module_exists  # lazy: peft is optional
 
 
     config = LoraConfig(target_modules=target_modules)
@@ -203,7 +208,7 @@ def split_adapter_config(config: dict, split: Mapping[str, torch.Tensor], slices
 
     Targets become the split adapter's modules by full name; each part keeps its fused module's rank and alpha.
     """
-    from peft.utils.other import get_pattern_key
+    from peft.utils.other import get_pattern_key  # lazy: peft is optional
 
     r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
     alpha_pattern = dict(config.get("alpha_pattern") or {})
@@ -228,10 +233,9 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     their scale (alpha / r) is carried by each fused module's alpha, or folded into lora_B where the parts' scales
     differ.
     """
-    import math
 
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils import get_peft_model_state_dict
+    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft is optional
+    from peft.utils import get_peft_model_state_dict  # lazy: peft is optional
 
 
     if adapter_name not in getattr(model, "peft_config", {}):
@@ -277,7 +281,6 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
 def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metadata: dict | None,
                   network_alphas: dict | None) -> tuple[dict, dict | None, dict | None]:
     """An adapter in stock names (diffusers' format, keys under `prefix.`) split for `model`'s unfused modules."""
-    from diffusers.utils import convert_unet_state_dict_to_peft
 
 
     slices = weight_slices(model)
@@ -322,10 +325,7 @@ def split_adapter(model: nn.Module, state_dict: dict, prefix: str | None, metada
 
 def write_adapter(path, state_dict: dict, config: dict, safe_serialization: bool = True) -> None:
     """The adapter file diffusers' `save_lora_adapter` writes: safetensors with the `LoraConfig` in its metadata."""
-    import json
 
-    import safetensors.torch
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
 
     if safe_serialization:
         config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}

@@ -33,6 +33,16 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME
+from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
+from diffusers.loaders.lora_base import _best_guess_weight_name
+from diffusers.utils import _get_model_file
+from diffusers.utils.peft_utils import get_adapter_name
+from pathlib import Path
+from safetensors import safe_open
+import json
+import os
 
 from surgery.core.errors import SurgeryError
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
@@ -146,7 +156,7 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     Layers already laid out (adapters loaded with `load_lora_adapter` on the sharded model) are left as they are.
     Calling it on every rank is required when `src_data_rank` is not None (it broadcasts).
     """
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
 
     styles = linear_styles(model)
     mesh = mesh if mesh is not None else tp_mesh(model, styles)
@@ -215,7 +225,6 @@ class LazyFactor:
 
 def lazy_file(path: str) -> tuple[dict[str, LazyFactor], dict]:
     """The tensors of a safetensors file as `LazyFactor`s (nothing read yet), and its `__metadata__`."""
-    from safetensors import safe_open
 
     handle = safe_open(path, framework="pt", device="cpu")
     out = {}
@@ -273,8 +282,8 @@ def peft_on_dtensors() -> Iterator[None]:
       (never the sharded one) and the same module keeps it. The rest of PEFT's preparation (scalings as tensors,
       the config's rank) runs as it is.
     """
-    import peft.utils.hotswap as hotswap
-    from peft.tuners.lora import LoraLayer
+    import peft.utils.hotswap as hotswap  # lazy: peft is optional
+    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
 
     stock_pad, stock_features = hotswap._pad_lora_weights, LoraLayer._get_in_out_features
 
@@ -292,7 +301,7 @@ def peft_on_dtensors() -> Iterator[None]:
 
 def pad_lora_weights(model: nn.Module, target_rank: int) -> bool:
     """`peft.utils.hotswap._pad_lora_weights` for factors that may be DTensors: in place, module and hooks kept."""
-    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import Linear as LoraLinear  # lazy: peft is optional
 
     found = False
     for module in model.modules():
@@ -331,8 +340,6 @@ def pad_lora_weights(model: nn.Module, target_rank: int) -> bool:
 def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None]:
     """The adapter `source` (a state dict, a safetensors file, a folder or a Hub id in the local cache) as
     `LazyFactor`s, and diffusers' LoRA metadata (the adapter's `LoraConfig` dict), as diffusers resolves files."""
-    import json
-    import os
 
     metadata = kwargs.pop("metadata", None)
     names = ("weight_name", "use_safetensors", "local_files_only", "cache_dir", "force_download", "proxies", "token",
@@ -340,8 +347,6 @@ def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None]:
     opts = {n: kwargs.pop(n, None) for n in names}
     if isinstance(source, Mapping):
         return lazy_dict(source), metadata
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY, LORA_WEIGHT_NAME_SAFE, _best_guess_weight_name
-    from diffusers.utils import _get_model_file
 
     source = str(source)
     weight_name = opts["weight_name"]
@@ -372,7 +377,7 @@ def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None]:
 def _check(model: nn.Module, state: dict[str, LazyFactor], head: str, adapter_name: str, hotswap: bool,
            verb: str, source_name: str) -> None:
     """Everything a load could trip on, before anything changes: names, widths, ranks, the adapter name."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
 
     existing = getattr(model, "peft_config", {})
     if hotswap and adapter_name not in existing:
@@ -431,7 +436,6 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
     itself runs no collective; a failure during it on any rank removes the adapter on every rank and is raised on
     every rank.
     """
-    from diffusers.utils.peft_utils import get_adapter_name
 
 
     verb = f"{type(model).__name__}.load_lora_adapter"
@@ -511,9 +515,7 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
     (`surgery.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
     (`surgery.io.atomic.staged_folder`; other files in the folder are kept), and every rank returns once it is written
     or raises the same error."""
-    from pathlib import Path
 
-    from diffusers.loaders.lora_base import LORA_WEIGHT_NAME, LORA_WEIGHT_NAME_SAFE
 
 
     verb = f"{type(model).__name__}.save_lora_adapter"

@@ -24,6 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
+from accelerate import init_empty_weights
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.errors import LocalEntryNotFoundError
+from huggingface_hub.utils import validate_repo_id
+import diffusers
 
 from surgery.core.errors import SurgeryError
 from surgery.core.rewrite import unfuse
@@ -38,9 +44,6 @@ TRANSFORMERS_WEIGHTS, TRANSFORMERS_INDEX = "model.safetensors", "model.safetenso
 
 
 def _is_repo_id(text: str) -> bool:
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
     if text.count("/") != 1:
         return False
     try:
@@ -60,8 +63,6 @@ def resolve_checkpoint(checkpoint: str | os.PathLike, cache_dir: str | os.PathLi
     if not path.exists():
         if not _is_repo_id(str(checkpoint)):
             raise SurgeryError(f"'{checkpoint}' does not exist (and is not a Hugging Face repo id 'org/name').")
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
 
         try:
             path = Path(snapshot_download(str(checkpoint), cache_dir=cache_dir, local_files_only=True))
@@ -210,7 +211,6 @@ class Reader:
 
 def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
     """The checkpoint's model built on the meta device from its config.json (class from `_class_name`)."""
-    import diffusers
 
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -229,7 +229,6 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
         said = f"the class given, {model_class!r}," if given else f"'{folder}/config.json' names _class_name {name!r},"
         raise SurgeryError(f"{said} which is {what}. Pass a diffusers model folder (its config.json names e.g. "
                            "Flux2Transformer2DModel, as a pipeline's transformer/ does), or the model class itself.")
-    from accelerate import init_empty_weights  # diffusers' own: parameters on meta, buffers computed for real
 
     try:
         with init_empty_weights():
@@ -240,8 +239,7 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
 
 def _transformers_on_meta(folder: Path, config: dict, model_class: type | None) -> nn.Module:
     """A transformers model built on meta from its folder's config.json (class from `architectures`)."""
-    import transformers
-    from accelerate import init_empty_weights
+    import transformers  # lazy: optional
 
     if model_class is None:
         names = config.get("architectures") or []

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
+from tqdm.auto import tqdm
 
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
@@ -107,7 +108,6 @@ def _load_tensor_parallel(
     subfolder: str | None = None,
 ) -> nn.Module:
     """`load_tensor_parallel` on this rank alone (no collective)."""
-    from tqdm.auto import tqdm
 
     folder = resolve_checkpoint(os.path.join(checkpoint, subfolder) if subfolder else checkpoint, cache_dir)
     if isinstance(model, nn.Module):

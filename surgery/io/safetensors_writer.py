@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from huggingface_hub.serialization._base import parse_size_to_int
 
 from surgery.core.errors import SurgeryError
 
@@ -54,7 +56,6 @@ def owns(name: str) -> bool:
 
 def shard_bytes(max_shard_size: int | str) -> int:
     """`max_shard_size` in bytes, parsed as huggingface_hub parses it ("5GB" = 5e9, "60KB"); refused if not positive."""
-    from huggingface_hub.serialization._base import parse_size_to_int  # what split_torch_state_dict_into_shards uses
 
     try:
         size = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(str(max_shard_size))
@@ -159,7 +160,6 @@ def shard_plan(entries: list[Entry], max_shard_size: int | str, variant: str | N
 
     Returns file name -> entries, and the index to write (None when one file holds everything).
     """
-    from huggingface_hub import split_torch_state_dict_into_shards
 
     pattern = add_variant(WEIGHTS, variant).replace(".safetensors", "{suffix}.safetensors")  # as diffusers builds it
     metas = {e.name: torch.empty(e.shape, dtype=e.dtype, device="meta") for e in entries}

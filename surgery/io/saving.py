@@ -29,6 +29,12 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors import safe_open
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
+import secrets
+import torch.distributed.checkpoint as dcp
 
 from surgery.core.errors import SurgeryError
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
@@ -42,13 +48,11 @@ from surgery.parallel.agreement import agree, agree_and_share
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
-    from torch.distributed.tensor import DTensor
 
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
 
 
 def _checkpoint_slices(model: nn.Module) -> list[Slice]:
-
     return weight_slices(model)
 
 
@@ -129,9 +133,6 @@ class _FileTensors:
     """
 
     def __init__(self, folder: Path, order: list[str]):
-        from safetensors import safe_open
-
-
         # DCP's own output (`model-0000k-of-0000n.safetensors`, written by us a moment ago): every file is read, not
         # only the names diffusers would pick.
         self.files = {}
@@ -144,15 +145,11 @@ class _FileTensors:
         return self.order
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        from safetensors import safe_open
-
         with safe_open(self.files[name], "pt") as f:
             piece = f.get_slice(name)
             return DTYPES[piece.get_dtype()], tuple(piece.get_shape())
 
     def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        from safetensors import safe_open
-
         with safe_open(self.files[name], "pt") as f:
             return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
@@ -212,7 +209,6 @@ def save_pretrained(
     resolved.
     """
     if not is_sharded(model):
-
         target = _check(model, folder, max_shard_size)
         slices = _checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
@@ -225,7 +221,6 @@ def save_pretrained(
 def _own_failure(error: BaseException, rank: int) -> BaseException | None:
     """This rank's own error inside torch's distributed checkpoint, which wraps every rank's into one
     `CheckpointException` raised on all of them (None when this rank's part succeeded)."""
-    from torch.distributed.checkpoint.api import CheckpointException
 
     if not isinstance(error, CheckpointException):
         return error
@@ -237,10 +232,7 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
     """Every rank: checks and a handshake, then torch's distributed checkpoint into a temporary folder that rank 0
     creates; rank 0 streams it into the fused layout and swaps it into place. Four small exchanges (`agree`) make a
     failure on any rank raise on every rank, naming that rank and its own error."""
-    import secrets
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
 
     if not dist.is_initialized():

@@ -18,6 +18,8 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from datetime import timedelta
+import os
 
 from surgery.core.errors import SurgeryError
 
@@ -147,7 +149,6 @@ _POISON = 1 << 40  # added to a call's arrival count by the rank that stopped wa
 
 def handshake_timeout() -> float:
     """Seconds a rank waits for the others to call the same verb: `SURGERY_HANDSHAKE_TIMEOUT`, default 30."""
-    import os
 
     text = os.environ.get(_TIMEOUT_VARIABLE)
     if not text:
@@ -173,7 +174,6 @@ def all_ranks_called(where, verb: str, timeout: float | None = None) -> None:
     and moves on when a slot completes or is given up, so that a call on some ranks only does not shift every later
     call out of step: the next call on every rank meets in a fresh slot again.
     """
-    from datetime import timedelta
 
     group, world = _group(where)
     timeout = handshake_timeout() if timeout is None else timeout

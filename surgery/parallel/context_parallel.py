@@ -25,6 +25,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from diffusers.hooks import HookRegistry
+from diffusers.hooks import ModelHook
+from diffusers.hooks.context_parallel import _get_submodule_by_name
+from diffusers.hooks.context_parallel import apply_context_parallel
+from diffusers.models._modeling_parallel import ContextParallelConfig
+from diffusers.models._modeling_parallel import ParallelConfig
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_dispatch import AttentionBackendName
+from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+from diffusers.models.attention_processor import Attention
+from diffusers.models.attention_processor import MochiAttention
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
@@ -81,8 +92,6 @@ def _degrees(size: int, ulysses_degree: int | None, ring_degree: int | None) -> 
 def attention_processors(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     """`(path, attention module, processor)` for each attention whose processor takes a `_parallel_config`,
     the same walk as diffusers' `enable_parallelism`."""
-    from diffusers.models.attention import AttentionModuleMixin
-    from diffusers.models.attention_processor import Attention, MochiAttention
 
     found = []
     for path, module in model.named_modules():
@@ -94,8 +103,6 @@ def attention_processors(model: nn.Module) -> list[tuple[str, nn.Module, object]
 
 
 def _backend(processor) -> str:
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
-
     backend = getattr(processor, "_attention_backend", None)
     if backend is None:
         backend, _ = _AttentionBackendRegistry.get_active_backend()
@@ -116,8 +123,6 @@ def _ranks(mesh: DeviceMesh) -> set[int]:
 
 def validate(model: nn.Module, mesh: DeviceMesh, ulysses: int, ring: int, plan: dict | None) -> dict:
     """Every check `context_parallel` makes, before anything changes; returns the context-parallel plan."""
-    from diffusers.hooks.context_parallel import _get_submodule_by_name
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     name = type(model).__name__
     plan = plan if plan is not None else getattr(model, "_cp_plan", None)
@@ -226,7 +231,6 @@ def _check_call(module: nn.Module, signature: inspect.Signature, split: dict, ar
 
 def _guard_hook(model: nn.Module, plan: dict, size: int):
     """A diffusers hook that runs `_check_call` before each forward of `model`."""
-    from diffusers.hooks import ModelHook
 
     signature = inspect.signature(type(model).forward)
     split = plan.get("", {}) if isinstance(plan.get(""), dict) else {}
@@ -255,9 +259,6 @@ def context_parallel(
     dimension of the same mesh (call that first); Ulysses then splits the heads each TP rank holds. Every check runs
     first: a raised `SurgeryError` leaves the model untouched. Call the model with `return_dict=False`.
     """
-    from diffusers.hooks import HookRegistry
-    from diffusers.hooks.context_parallel import apply_context_parallel
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
 
     def check():

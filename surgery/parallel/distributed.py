@@ -15,6 +15,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from surgery.core.errors import SurgeryError
 
@@ -47,8 +50,6 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
     if hasattr(signal, "SIGUSR1"):  # POSIX only
@@ -80,7 +81,6 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
     `timeout` seconds (default: `SURGERY_RANKS_TIMEOUT`, else 900) has every rank print its stacks, is killed, and
     raises `TimeoutError`: a rank waiting in a collective for another becomes a failure that says where, not a hang.
     """
-    import torch.multiprocessing as mp
 
     if timeout is None:
         timeout = float(os.environ.get("SURGERY_RANKS_TIMEOUT", 900))
@@ -130,8 +130,6 @@ def _kill(processes) -> None:
 @contextlib.contextmanager
 def fake_process_group(world: int, rank: int = 0) -> Iterator[None]:
     """torch's fake process group (backend "fake"): collectives are no-ops, so a mesh of any size fits one CPU."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise SurgeryError("planning uses torch's fake process group; run it where no process group is initialized.")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
 
 from surgery.core.build import default_dtype, model_on_meta, resolve_config
 from surgery.core.errors import SurgeryError
@@ -148,7 +149,6 @@ def build_on_meta(spec: tuple, dtype: torch.dtype) -> nn.Module:
 def pipeline_plan(model_name: str, tp: int, *, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Every component of a published pipeline, built on meta from its recorded config and sharded (where it has a
     plan the mesh can split) under torch's fake process group: bytes per rank, sharded and replicated."""
-    from torch.distributed.device_mesh import init_device_mesh
 
 
     entry = pipeline_components(model_name)

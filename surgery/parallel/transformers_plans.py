@@ -118,8 +118,8 @@ def checkpoint_renames(model: nn.Module, stored: set[str]) -> dict[str, str]:
     renamed tensors can be read slice by slice."""
     if not type(model).__module__.startswith("transformers."):
         return {}
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
+    from transformers.conversion_mapping import get_model_conversion_mapping  # lazy: optional
+    from transformers.core_model_loading import WeightRenaming, rename_source_key  # lazy: optional
 
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]

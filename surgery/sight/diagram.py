@@ -28,6 +28,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
+from torch.distributed.device_mesh import init_device_mesh
+import inspect as pyinspect
+import re
 
 from surgery.core.errors import SurgeryError
 from surgery.core.rewrite import unfuse
@@ -125,7 +128,6 @@ def _input_name(path: tuple, positional: list[str] = ()) -> str:
 def _positional_names(module: nn.Module) -> list[str]:
     """The names of `module.forward`'s positional parameters, in order (`hidden_states`, `temb`, ...), so that the
     diagram's inputs carry the names the forward gives them, not `arg[0]`; extra positionals stay `arg[i]`."""
-    import inspect as pyinspect
 
     try:
         parameters = pyinspect.signature(module.forward).parameters.values()
@@ -515,7 +517,6 @@ def _held(weight: DTensor, local: torch.Tensor, head_dim: int | None) -> str:
 
 def _rank_storage(storage: str, weight: DTensor, local: torch.Tensor) -> str:
     """'view of W rows a:b' of the unsharded module, narrowed to the part this rank holds: 'from W rows a+s:a+t'."""
-    import re
 
     match = re.fullmatch(r"(view|copy) of (\S+) (rows|columns) (\d+):(\d+)", storage)
     found = _shard_range(weight, local)
@@ -624,9 +625,6 @@ def forms(model: nn.Module, inputs: dict, module: str | None = None, tp: int | N
     unfuse(base)
     graphs.append(draw(base, f"unfused {path}"))
     if tp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-
         with fake_process_group(tp, rank):
             sharded = meta_copy(base)
             tensor_parallel(sharded, init_device_mesh("cpu", (tp,)), src_data_rank=None)
@@ -667,7 +665,7 @@ SCALE_NOTE = "surgery.diagram scale="
 def dot_available() -> bool:
     """True when the `graphviz` Python package and Graphviz's `dot` program are both installed."""
     try:
-        import graphviz  # noqa: F401
+        import graphviz  # noqa: F401, lazy: Graphviz is optional (diagrams fall back to text)
     except ImportError:
         return False
     return shutil.which("dot") is not None
@@ -721,7 +719,7 @@ def _dot_id(graph: int, node: str) -> str:
 
 
 def _digraph(title: str = ""):
-    import graphviz
+    import graphviz  # lazy: Graphviz is optional
 
     return graphviz.Digraph(graph_attr=dict(rankdir="TB", newrank="true", nodesep="0.18", ranksep="0.3",
                                             fontname="Helvetica", fontsize="14", label=title, labelloc="t",
@@ -822,7 +820,6 @@ def _pipe_svg(dot) -> str:
 def svg_size_px(text: str) -> tuple[float, float]:
     """(width, height) an SVG is displayed at, in CSS px: its `width`/`height` attributes (pt -> 4/3 px), else its
     viewBox."""
-    import re
 
     head = re.search(r"<svg\b[^>]*>", text, re.S)
     if head is None:
@@ -846,7 +843,6 @@ def svg_size_px(text: str) -> tuple[float, float]:
 def stack_svgs(parts: list[str], max_width_px: float | None = None, gap_px: float = 8) -> str:
     """SVG documents stacked top to bottom in one SVG (each kept whole as a nested `<svg>`), scaled down as a whole
     when wider than `max_width_px`."""
-    import re
 
     sizes = [svg_size_px(p) for p in parts]
     width = max(w for w, _ in sizes)
@@ -868,7 +864,6 @@ def stack_svgs(parts: list[str], max_width_px: float | None = None, gap_px: floa
 
 def svg_scale(text: str) -> float:
     """The factor `stack_svgs` scaled a diagram down by to fit its page (1.0: drawn at natural size, 10 pt labels)."""
-    import re
 
     found = re.search(re.escape(SCALE_NOTE) + r"([\d.]+)", text)
     return float(found.group(1)) if found else 1.0
@@ -922,7 +917,7 @@ def show(graphs: list[BlockGraph], title: str = "") -> None:
     """Display the diagram in a notebook; without Graphviz say how to get it and print the text tables instead."""
     if dot_available():
         try:
-            from IPython.display import SVG, display
+            from IPython.display import SVG, display  # lazy: in notebooks only
 
             display(SVG(svg(graphs, title)))
             return

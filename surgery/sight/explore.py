@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from dataclasses import asdict
 
 from surgery.core.errors import SurgeryError
 from surgery.sight.diagram import BlockGraph, SHARDING_COLORS, forms
@@ -26,7 +27,7 @@ LOOKED_THROUGH = "rotary_casts_views"  # the layer that holds the ops the diagra
 
 def _model_explorer():
     try:
-        import model_explorer
+        import model_explorer  # lazy: optional extra
     except ImportError:
         raise SurgeryError(f"surgery.sight.explore: {INSTALL}") from None
     return model_explorer
@@ -155,9 +156,8 @@ def _write(path: str, text: str) -> None:
 def explorer_files(graphs: list[BlockGraph], out_dir: str | os.PathLike, name: str = "block") -> dict[str, Any]:
     """Write `<name>.json` (the graphs, in Model Explorer's graph JSON) and one node-data JSON per overlay into
     `out_dir`; returns {"graphs": path, "node_data": {overlay: path}}."""
-    from dataclasses import asdict
 
-    from model_explorer.utils import remove_none
+    from model_explorer.utils import remove_none  # lazy: optional extra
 
     gb = _model_explorer().graph_builder
     os.makedirs(out_dir, exist_ok=True)

@@ -12,6 +12,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from surgery.core.build import default_dtype, model_on_meta, resolve_config  # noqa: F401  (plan builds on meta)
 from surgery.core.errors import SurgeryError
@@ -278,7 +280,6 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         family, config = resolve_config(model, family)
         return _plan_2d(family, config, tp, cp, dp, dtype=dtype, image_tokens=image_tokens, text_tokens=text_tokens,
                         batch=batch)
-    from torch.distributed.device_mesh import init_device_mesh
 
 
     family, config = resolve_config(model, family)
@@ -326,8 +327,6 @@ def _declared_collectives(family: Family, config: dict, error: Exception) -> dic
 def _plan_2d(family: Family, config: dict, tp: int, cp: int, dp: int, *, dtype: torch.dtype, image_tokens: int,
              text_tokens: int, batch: int) -> dict:
     """`plan` on a `(dp, cp, tp)` mesh: TP over "tp", then Ulysses over "cp", then FSDP2 over "dp"."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
 
     for what, count in (("image", image_tokens), ("text", text_tokens)):
