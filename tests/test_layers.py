@@ -204,6 +204,14 @@ class InstalledNames(unittest.TestCase):
         self.assertIn('"surgery_rewrites" = "rewrites"', text)
         self.assertNotIn('"rewrites*"', text)
 
+    def test_the_console_script_points_at_the_cli(self):
+        import importlib
+        import re
+
+        target = re.search(r'^surgery = "([\w.]+):(\w+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+        self.assertIsNotNone(target)
+        self.assertTrue(callable(getattr(importlib.import_module(target.group(1)), target.group(2))))
+
     def test_importing_the_folder_by_its_old_name_is_refused(self):
         import subprocess
         import sys
