@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import surgery  # noqa: E402
 from surgery.testing import CollectiveCounter, run_on_cpu_ranks  # noqa: E402
-from surgery.sight import report as inspect, render  # noqa: E402
+from surgery.sight import report, render  # noqa: E402
 from surgery.core.registry import families, model_class, resolve_model  # noqa: E402
 from surgery.testing import rel_err, seeded_model  # noqa: E402
 
@@ -122,7 +122,7 @@ def unfuse_cost(args) -> list[dict]:
                      "unfuse ms": seconds * 1e3, "bytes copied": render.mb(copied), "copied / model": copied / size})
     for name in args.models if not args.smoke else args.models[:1]:
         family, variant = resolve_model(name)
-        model = inspect.model_on_meta(family, family.config(variant))
+        model = report.model_on_meta(family, family.config(variant))
         started = time.perf_counter()
         surgery.unfuse(model)
         rows.append({"model": f"{name} full size", "device": "meta", "dtype": "float32", "model bytes": "-",
@@ -155,7 +155,7 @@ def tp_rank(rank: int, world: int, family_name: str, config: dict, tokens: tuple
                 out = models[name](**kw, return_dict=False)[0]
             result[name] = {
                 "collectives": counter.total, "bytes": counter.bytes, "error": rel_err(out, expected),
-                "param bytes": inspect.local_bytes(models[name]),
+                "param bytes": report.local_bytes(models[name]),
             }
     return result
 
@@ -192,7 +192,7 @@ def on_paper(args) -> list[dict]:
     rows = []
     for name in args.models if not args.smoke else args.models[:1]:
         for tp in (2, 4, 8) if not args.smoke else (2,):
-            p = inspect.plan(name, tp)
+            p = report.plan(name, tp)
             rows.append({
                 "model": name, "TP": tp, "bytes / rank (bf16)": render.mb(p["bytes_per_rank"]),
                 "replicated": render.mb(p["replicated_bytes"]), "sharded / TP": render.mb(p["sharded_bytes"] // tp),
@@ -208,7 +208,7 @@ def cuda_full_size(args) -> list[dict]:
     config = family.config(variant)
     if args.smoke:
         config = family.shrink_config(config, layers=1, single_layers=1, head_dim=config.get("attention_head_dim"))
-    with torch.device("cuda"), inspect.default_dtype(torch.bfloat16):
+    with torch.device("cuda"), report.default_dtype(torch.bfloat16):
         fused = model_class(family)(**config).eval()
     with torch.no_grad():
         for p in fused.parameters():

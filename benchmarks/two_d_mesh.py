@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import surgery  # noqa: E402
 from flux2 import _markdown, interleaved, machine  # noqa: E402
 from surgery_rewrites.flux2 import example_inputs, seeded_model  # noqa: E402
-from surgery.sight import report as inspect, render  # noqa: E402
+from surgery.sight import report, render  # noqa: E402
 from surgery.app.demo import demo_config  # noqa: E402
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks  # noqa: E402
 
@@ -64,7 +64,7 @@ def rank_run(rank: int, world: int, config: dict, tokens: tuple[int, int], repea
             with CollectiveCounter() as counter:
                 out = model(**kw)[0]
             result[name] = {"error": rel_err(out, expected), "ops": dict(counter.counts), "bytes": counter.bytes,
-                            "param bytes": inspect.local_bytes(model)}
+                            "param bytes": report.local_bytes(model)}
     return result
 
 
@@ -97,7 +97,7 @@ def on_paper(args) -> list[dict]:
     layouts = [(8, 1), (4, 2), (2, 4), (1, 8)] if not args.smoke else [(4, 2)]
     for resolution, image_tokens in resolutions.items():
         for tp, cp in layouts:
-            p = inspect.plan("flux2-dev", tp, cp=cp, image_tokens=image_tokens, text_tokens=512)
+            p = report.plan("flux2-dev", tp, cp=cp, image_tokens=image_tokens, text_tokens=512)
             c = p["collectives"]
             ops, by_op = c["ops"], c.get("bytes_by_op", {})
             rows.append({

@@ -3,7 +3,7 @@ projection, the double-stream blocks' SwiGLU feed-forwards, and attention proces
 
 | module (diffusers)                | unfused                                                                          |
 |-----------------------------------|----------------------------------------------------------------------------------|
-| `OvisImageSingleTransformerBlock` | `OvisImageUnfusedSingleTransformerBlock` (a twin: its forward is the stock one   |
+| `OvisImageSingleTransformerBlock` | `OvisImageSplitSingleTransformerBlock` (a twin: its forward is the stock one   |
 |                                   | with one edit, see below); `proj_mlp` -> `SplitRows` (`.up`, `.gate`: views),    |
 |                                   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor  |
 | `FeedForward` with a `SwiGLU`     | `SplitSwiGLUFeedForward`: net.0.proj rows -> `.proj_up`, `.proj_gate`            |
@@ -37,8 +37,8 @@ from surgery.core.registry import Family, Rewrite
 from surgery.core.slicing import row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 
-OvisImageUnfusedSingleTransformerBlock = twin(
-    OvisImageSingleTransformerBlock, "OvisImageUnfusedSingleTransformerBlock", method="forward"
+OvisImageSplitSingleTransformerBlock = twin(
+    OvisImageSingleTransformerBlock, "OvisImageSplitSingleTransformerBlock", method="forward"
 )
 
 # proj_mlp's rows: up, then gate
@@ -97,7 +97,7 @@ def _join_feed_forward(ff: SplitSwiGLUFeedForward) -> FeedForward:
 REWRITES = (
     *flux_like_rewrites("ovis_image", OvisImageSingleTransformerBlock, OvisImageAttention,
                         Processors((OvisImageAttnProcessor,)), leaves=(PROJ_MLP,),
-                        unfused_single_block=OvisImageUnfusedSingleTransformerBlock),
+                        unfused_single_block=OvisImageSplitSingleTransformerBlock),
     # diffusers' FeedForward serves many families; only its SwiGLU form is fused, and among the registered families
     # only Ovis-Image uses it (move this to rewrites/diffusers_common.py once another one does).
     Rewrite(
@@ -136,7 +136,7 @@ FEED_FORWARD_TP_PLAN = {
 
 TP_PLANS = {
     OvisImageAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
-    OvisImageUnfusedSingleTransformerBlock: SWIGLU_SINGLE_BLOCK_TP_PLAN,
+    OvisImageSplitSingleTransformerBlock: SWIGLU_SINGLE_BLOCK_TP_PLAN,
     SplitSwiGLUFeedForward: FEED_FORWARD_TP_PLAN,
 }
 

@@ -10,25 +10,25 @@ from parameterized import parameterized
 import surgery
 from flux2_testing import build, small_config
 from surgery_rewrites.flux2 import CONFIGS
-from surgery.sight import report as inspect, render
+from surgery.sight import report, render
 from surgery.app.cli import main
 
 
 class RewriteTable(unittest.TestCase):
     def test_same_rows_fused_and_unfused(self):
         model = build(small_config("klein9b_small"))
-        rows = inspect.rewrite_table(model)
+        rows = report.rewrite_table(model)
         self.assertEqual(len(rows), 2 * 2 + 3 * 7)  # ff/ff_context: gate, up; single: q k v gate up + 2 columns
         self.assertEqual(rows[0]["takes"], "rows 0:192")
         self.assertEqual([r["takes"] for r in rows if r["copy"]][:2], ["columns 0:64", "columns 64:256"])
         surgery.unfuse(model)
-        self.assertEqual(inspect.rewrite_table(model), rows)
+        self.assertEqual(report.rewrite_table(model), rows)
 
 
 class Plan(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.plan = inspect.plan("flux2-klein-9b", 8)
+        cls.plan = report.plan("flux2-klein-9b", 8)
 
     def test_klein9b_tp8_bytes_per_rank(self):
         p = self.plan
@@ -57,8 +57,8 @@ class Graphs(unittest.TestCase):
         attn = build(small_config("klein4b_small")).single_transformer_blocks[0].attn
         x = torch.randn(1, 6, 48)
         rope = (torch.randn(6, 16), torch.randn(6, 16))
-        before = inspect.export_graph(attn, (x,), {"image_rotary_emb": rope})
-        after = inspect.export_graph(surgery.unfuse(attn), (x,), {"image_rotary_emb": rope})
+        before = report.export_graph(attn, (x,), {"image_rotary_emb": rope})
+        after = report.export_graph(surgery.unfuse(attn), (x,), {"image_rotary_emb": rope})
         self.assertEqual([r["op"] for r in before if r["op"] in ("linear", "cat")], ["linear", "cat", "linear"])
         linears = [r["parameter"] for r in after if r["op"] == "linear"]
         self.assertEqual(sorted(linears), sorted([f"to_qkv_mlp_proj.{p}.weight" for p in ("q", "k", "v", "gate", "up")]
@@ -69,12 +69,12 @@ class Graphs(unittest.TestCase):
         from diffusers import Flux2Transformer2DModel
         from torch.distributed.device_mesh import init_device_mesh
 
-        with inspect.fake_process_group(8):
+        with report.fake_process_group(8):
             with torch.device("meta"):
                 model = Flux2Transformer2DModel(**CONFIGS["klein-9b"])
             surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (8,)), src_data_rank=None)
             x = torch.empty(1, 64, 4096, device="meta")
-            trace = inspect.module_trace(model.single_transformer_blocks[0].attn, x,
+            trace = report.module_trace(model.single_transformer_blocks[0].attn, x,
                                          image_rotary_emb=(torch.empty(64, 128, device="meta"),) * 2)
         by_path = {e["path"]: e for e in trace}
         self.assertEqual(by_path["to_qkv_mlp_proj.q"]["out"], (1, 64, 512))

@@ -95,11 +95,11 @@ class PlanOnMeta(unittest.TestCase):
 
     def test_collectives_by_kind_and_bytes_match_the_arithmetic(self):
         from surgery_rewrites.flux2 import CONFIGS, FAMILY
-        from surgery.sight import report as inspect
+        from surgery.sight import report
 
         config = CONFIGS["klein-4b"]
         double, single = config["num_layers"], config["num_single_layers"]
-        p = inspect.plan(config, 4, family=FAMILY, cp=2)  # bf16, 4096 + 512 tokens
+        p = report.plan(config, 4, family=FAMILY, cp=2)  # bf16, 4096 + 512 tokens
         c = p["collectives"]
         self.assertEqual(c["ops"], {"all_to_all_single": 4 * (double + single), "all_reduce": 4 * double + single,
                                     "all_gather_into_tensor": 1})
@@ -108,7 +108,7 @@ class PlanOnMeta(unittest.TestCase):
         self.assertEqual(c["bytes_by_op"]["all_to_all_single"], 4 * (double + single) * per_tensor)
         self.assertEqual(p["tokens"]["per_rank"], 2304)
 
-        fsdp = inspect.plan(config, 4, family=FAMILY, cp=2, dp=2)
+        fsdp = report.plan(config, 4, family=FAMILY, cp=2, dp=2)
         self.assertEqual(fsdp["collectives"]["fsdp_all_gathers"]["count"], double + single + 1)
         self.assertAlmostEqual(fsdp["bytes_per_rank"] / p["bytes_per_rank"], 0.5, delta=0.01)
 

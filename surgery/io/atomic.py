@@ -109,6 +109,22 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def write_text(path: str | os.PathLike, text: str) -> str:
+    """Write one text file atomically: a temporary sibling, fsynced, then one rename; returns the path."""
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
 def _carry(entry: Path, into: Path) -> None:
     """Hard-link (or copy, where links are not allowed) a file or folder the writer does not own into `into`."""
     def link(source, dest):

@@ -33,6 +33,7 @@ import inspect as pyinspect
 import re
 
 from surgery.core.errors import SurgeryError
+from surgery.io.atomic import write_text
 from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.distributed import fake_process_group
@@ -885,17 +886,7 @@ def svg(graphs: list[BlockGraph], title: str = "", max_width_px: float | None = 
 def write_svg(graphs: list[BlockGraph], path: str | os.PathLike, title: str = "",
               max_width_px: float | None = NOTEBOOK_WIDTH_PX) -> str:
     """Write the SVG atomically (a temporary sibling, then rename); returns the path."""
-    text = svg(graphs, title, max_width_px)
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+    return write_text(path, svg(graphs, title, max_width_px))
 
 
 def rows(graph: BlockGraph) -> list[dict]:

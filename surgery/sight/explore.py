@@ -18,6 +18,7 @@ import torch.nn as nn
 from dataclasses import asdict
 
 from surgery.core.errors import SurgeryError
+from surgery.io.atomic import write_text
 from surgery.sight.diagram import BlockGraph, SHARDING_COLORS, forms
 
 INSTALL = "Model Explorer is an optional extra: pip install ai-edge-model-explorer (or pip install -e \".[explore]\")."
@@ -142,17 +143,6 @@ def overlays(graphs: list[BlockGraph]) -> dict[str, Any]:
     return {name: ndb.ModelNodeData(graphsData=by_graph) for name, by_graph in data.items()}
 
 
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def explorer_files(graphs: list[BlockGraph], out_dir: str | os.PathLike, name: str = "block") -> dict[str, Any]:
     """Write `<name>.json` (the graphs, in Model Explorer's graph JSON) and one node-data JSON per overlay into
     `out_dir`; returns {"graphs": path, "node_data": {overlay: path}}."""
@@ -163,11 +153,11 @@ def explorer_files(graphs: list[BlockGraph], out_dir: str | os.PathLike, name: s
     os.makedirs(out_dir, exist_ok=True)
     collection = gb.GraphCollection(label=name, graphs=[explorer_graph(g) for g in graphs])
     graphs_path = os.path.join(os.fspath(out_dir), f"{name}.json")
-    _write(graphs_path, json.dumps(remove_none({"graphCollections": [asdict(collection)]})))
+    write_text(graphs_path, json.dumps(remove_none({"graphCollections": [asdict(collection)]})))
     paths = {}
     for overlay, data in overlays(graphs).items():
         path = os.path.join(os.fspath(out_dir), f"{name}.{overlay.replace(' ', '_')}.nodedata.json")
-        _write(path, data.to_json_string(indent=None))
+        write_text(path, data.to_json_string(indent=None))
         paths[overlay] = path
     return {"graphs": graphs_path, "node_data": paths}
 
