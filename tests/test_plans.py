@@ -131,6 +131,17 @@ def run_ranks(rank: int, world: int, printed: str) -> dict:
             out[name] = {"layout": layout(model), "forward": error, "collectives": dict(counter.counts),
                          "expected": expected_placements(model, plan_before), "keys": list(plan_before)}
 
+        # sharded loading takes the same plan and filter: the same layout as tensor_parallel, read from a checkpoint
+        with tempfile.TemporaryDirectory() as folder:
+            fused.save_pretrained(folder)
+            for name, plan, filter_fn in [
+                ("loaded_filtered", None, lambda module, fqn: not fqn.startswith("single_transformer_blocks")),
+                ("loaded_wildcard", literal(printed), None),
+            ]:
+                model = surgery.load_tensor_parallel(type(fused), folder, mesh, plan=plan, filter_fn=filter_fn,
+                                                     progress=False)
+                out[name] = {"layout": layout(model), "forward": rel_err(_forward(model, kw), expected)}
+
         def refuse(plan, filter_fn=None) -> dict:
             model = surgery.unfuse(copy.deepcopy(fused))
             result = _refusal(lambda: surgery.tensor_parallel(model, mesh, plan, filter_fn))
@@ -247,6 +258,13 @@ class OnTwoRanks(unittest.TestCase):
             rest = {n: v for n, v in r["layout"].items() if not n.startswith("single_transformer_blocks")}
             self.assertEqual(rest, {n: result["default"]["layout"][n] for n in rest})
             self.assertEqual(r["collectives"], {"all_reduce": 4 * config["num_layers"]})
+
+    def test_sharded_loading_takes_the_same_plan_and_filter(self):
+        for result in rank_results():
+            for loaded, applied in (("loaded_filtered", "filtered"), ("loaded_wildcard", "wildcard")):
+                with self.subTest(case=loaded):
+                    self.assertEqual(result[loaded]["layout"], result[applied]["layout"])
+                    self.assertLessEqual(result[loaded]["forward"], FP32_TOL)
 
     def test_a_bad_plan_is_refused_on_every_rank_and_changes_nothing(self):
         results = rank_results()

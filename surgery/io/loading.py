@@ -6,6 +6,7 @@ import os
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from tqdm.auto import tqdm
@@ -17,7 +18,8 @@ from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
 from surgery.core.state_dict import weight_slices
 from surgery.parallel.transformers_plans import checkpoint_renames
-from surgery.parallel.tensor_parallel import apply_plans, linear_placements, one_dim_mesh, planned_modules, validate
+from surgery.parallel.plans import FilterFn
+from surgery.parallel.tensor_parallel import apply_plans, checked_plan, linear_placements, one_dim_mesh, plan_digest
 
 
 def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
@@ -66,6 +68,8 @@ def load_tensor_parallel(
     variant: str | None = None,
     progress: bool = True,
     subfolder: str | None = None,
+    plan: dict[str, ParallelStyle] | None = None,
+    filter_fn: FilterFn | None = None,
 ) -> nn.Module:
     """Build the model on meta, unfuse it, and read only this rank's slice of each tensor from `checkpoint`.
 
@@ -86,14 +90,25 @@ def load_tensor_parallel(
     A pipeline's text encoder loads the same way: `subfolder="text_encoder"` (or the folder itself), a transformers
     class or None (the class in its config.json's `architectures`), its `model.safetensors` (sharded with
     `model.safetensors.index.json` too), sharded with transformers' own plan or a registered one.
+
+    `plan` and `filter_fn` are `tensor_parallel`'s: a literal plan instead of the registered ones, and the planned
+    modules to keep (the others are read whole); the result equals `tensor_parallel(unfuse(fully_loaded), mesh, plan,
+    filter_fn)`.
     """
     mesh = one_dim_mesh(mesh)
     return agree(
         mesh, "load_tensor_parallel",
         lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, variant=variant,
-                                      progress=progress, subfolder=subfolder),
-        lambda loaded: fingerprint(loaded, mesh.size(), None, weights=False),
-    )
+                                      progress=progress, subfolder=subfolder, plan=plan, filter_fn=filter_fn),
+        lambda loaded: _fingerprint(loaded[0], loaded[1], mesh.size(), plan is not None or filter_fn is not None),
+    )[0]
+
+
+def _fingerprint(model: nn.Module, planned: list, world: int, custom: bool) -> dict[str, dict]:
+    parts = fingerprint(model, world, None, weights=False)
+    if custom:  # ranks given different plans would shard differently
+        parts["call"]["plan"] = plan_digest(planned)
+    return parts
 
 
 def _load_tensor_parallel(
@@ -106,8 +121,10 @@ def _load_tensor_parallel(
     variant: str | None = None,
     progress: bool = True,
     subfolder: str | None = None,
-) -> nn.Module:
-    """`load_tensor_parallel` on this rank alone (no collective)."""
+    plan: dict[str, ParallelStyle] | None = None,
+    filter_fn: FilterFn | None = None,
+) -> tuple[nn.Module, list]:
+    """`load_tensor_parallel` on this rank alone (no collective): the model and its planned modules."""
 
     folder = resolve_checkpoint(os.path.join(checkpoint, subfolder) if subfolder else checkpoint, cache_dir)
     if isinstance(model, nn.Module):
@@ -117,8 +134,7 @@ def _load_tensor_parallel(
     else:
         model = model_on_meta(folder, model)
     unfuse(model)
-    planned = planned_modules(model)
-    validate(model, planned, mesh.size())
+    planned = checked_plan(model, plan, filter_fn, mesh.size())
     placements = _placements(model, planned)
     slices = weight_slices(model)
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -151,5 +167,5 @@ def _load_tensor_parallel(
     if left:
         raise SurgeryError(f"load_tensor_parallel: {left[0]!r} is not in the checkpoint and has no initializer.")
     apply_plans(model, planned, mesh, src_data_rank=None)
-    return model.eval()
+    return model.eval(), planned
 

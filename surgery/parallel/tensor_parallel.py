@@ -26,14 +26,13 @@ from surgery.core.checks import check_hooks, check_linear, check_model, mesh_siz
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import tp_plan_for, tp_plans
 from surgery.parallel.agreement import agree, fingerprint
-from surgery.parallel.plans import (  # noqa: F401  (planned_modules: surgery.io.loading imports it from here)
+from surgery.parallel.plans import (
     FilterFn,
     Planned,
     block_plans,
     check_unfused,
     enclosing,
     planned_for,
-    planned_modules,
 )
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 
@@ -206,10 +205,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     world = mesh.size()
 
     def check() -> Planned:
-        planned = planned_for(model, plan, filter_fn)
-        # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered
-        # plans' owners are
-        validate(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+        planned = checked_plan(model, plan, filter_fn, world)
         check_source(model, src_data_rank, world)
         return planned
 
@@ -267,6 +263,16 @@ def apply_plans(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_r
     for path, plan in block_plans(model, planned).items():
         own = plan.pop("", None)
         apply_block(model.get_submodule(path), plan, own, mesh, src_data_rank)
+
+
+def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
+    """The planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and of `load_tensor_parallel`),
+    validated for a mesh of `world` ranks."""
+    planned = planned_for(model, plan, filter_fn)
+    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+    # owners are
+    validate(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+    return planned
 
 
 def plan_digest(planned: Planned) -> str:
