@@ -17,8 +17,8 @@ from surgery.io.checkpoint import convert_checkpoint
 from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
 from surgery.parallel.plans import block_path, effective_plan, plan_source, planned_for, style_source, wildcard_path
 from surgery.parallel.tensor_parallel import validate
-from surgery.sight import diagram, render, report as inspect
-from surgery.sight.explore import explore, serve_files
+from surgery.sight import diagram, render, report
+from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
 
 
 def _positive(text: str) -> int:
@@ -124,21 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
                       "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
                       "(with --tp: checked to fit that size)")
 
-    inspect = commands.add_parser(
+    inspect_parser = commands.add_parser(
         "inspect", formatter_class=_Formatter, epilog=epilog,
         help="the rewrite table of a model: which fused rows/columns each unfused Linear takes",
         description="Builds the model on the meta device and lists what surgery.unfuse rewrites: module, class before "
         "-> after, and the rows (views) or columns (copies) of the fused weight each new parameter takes.",
     )
-    _model_arguments(inspect)
-    inspect.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
-    inspect.add_argument("--svg", metavar="OUT.svg",
+    _model_arguments(inspect_parser)
+    inspect_parser.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
+    inspect_parser.add_argument("--svg", metavar="OUT.svg",
                          help="also draw one block's graph, fused -> unfused (-> one rank's with --tp), with Graphviz")
-    inspect.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
-    inspect.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
-    inspect.add_argument("--panels", choices=["all", "fused", "unfused", "rank"], default="all",
+    inspect_parser.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
+    inspect_parser.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
+    inspect_parser.add_argument("--panels", choices=["all", "fused", "unfused", "rank"], default="all",
                          help="with --svg: draw every form one above the other (default), or only one of them")
-    inspect.add_argument("--width", type=_positive, default=1000, metavar="PX",
+    inspect_parser.add_argument("--width", type=_positive, default=1000, metavar="PX",
                          help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
                          "README on a repository page gets about 880)")
 
@@ -266,10 +266,10 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _plan_or_inspect(args: argparse.Namespace) -> int:
     name, family, config = _config(args)
     if args.command == "inspect":
-        model = inspect.model_on_meta(family, config)
-        rows = inspect.rewrite_table(model)
+        model = report.model_on_meta(family, config)
+        rows = report.rewrite_table(model)
         if not args.all:
-            rows = inspect.collapse_blocks(rows, "module", also=("parameter",))
+            rows = report.collapse_blocks(rows, "module", also=("parameter",))
         if not rows:
             print(f"{name}: nothing to rewrite — the {family.name} family fuses no projections (plans only: "
                   f"tensor_parallel shards it as it is). Its per-rank layout: surgery plan --model {name} --tp N")
@@ -284,7 +284,7 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
         result = pipeline_plan(name, args.tp, dtype=getattr(torch, args.dtype))
         print(json.dumps(result, indent=1, default=str) if args.json else pipeline_plan_text(result))
         return 0
-    result = inspect.plan(config, args.tp, family=family, dtype=getattr(torch, args.dtype),
+    result = report.plan(config, args.tp, family=family, dtype=getattr(torch, args.dtype),
                           image_tokens=args.image_tokens, text_tokens=args.text_tokens, cp=args.cp, dp=args.dp)
     if args.json:
         print(json.dumps(result, indent=1, default=str))
@@ -359,13 +359,13 @@ def _inspect_svg(args: argparse.Namespace) -> int:
 
 def _explore(args: argparse.Namespace) -> int:
     name, model, inputs = _block_forms(args)
-    files = explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=False)
+    files = explorer.explore(model, inputs, module=args.module, tp=args.tp, out_dir=args.out, serve=False)
     print(f"wrote {files['graphs']} and {len(files['node_data'])} overlays ({', '.join(files['node_data'])})",
           flush=True)
     if not args.no_serve:  # said before the server blocks, not after Ctrl-C
 
         print(f"serving Model Explorer on http://{args.host}:{args.port} (Ctrl-C stops it)", flush=True)
-        serve_files(files, host=args.host, port=args.port)
+        explorer.serve_files(files, host=args.host, port=args.port)
     return 0
 
 
