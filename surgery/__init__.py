@@ -12,6 +12,9 @@ public API), `surgery.testing`, `surgery.sight` (tables, diagrams) and `surgery.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 
 from surgery.core.errors import SurgeryError
@@ -107,3 +110,26 @@ def __getattr__(name: str):
                       stacklevel=2)
         return importlib.import_module(_MOVED[name])
     raise AttributeError(f"module 'surgery' has no attribute {name!r}")
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import surgery.inspect` / `from surgery.registry import ...` (the flat paths): the module at its new path,
+    with a DeprecationWarning. Consulted last, only for names no file answers."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, name = fullname.partition(".")
+        if package != "surgery" or name not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        name = spec.name.partition(".")[2]
+        warnings.warn(f"{spec.name} moved to {_MOVED[name]}; import it from there.", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(_MOVED[name])
+
+    def exec_module(self, module) -> None:
+        pass  # the module at its new path is loaded already
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

@@ -226,6 +226,18 @@ class InstalledNames(unittest.TestCase):
 
         with self.assertWarnsRegex(DeprecationWarning, "surgery.sight.report"):
             self.assertIs(surgery.inspect, report)
+        code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+                "try:\n    from surgery.inspect import rewrite_table\nexcept DeprecationWarning as w:\n    print(w)\n"
+                "warnings.simplefilter('ignore')\nfrom surgery.inspect import rewrite_table\n"
+                "import surgery.registry, surgery.sight.report\n"
+                "print(rewrite_table is surgery.sight.report.rewrite_table, surgery.registry.families is not None)")
+        import subprocess
+        import sys
+
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stdout.split("\n")[:2],
+                         ["surgery.inspect moved to surgery.sight.report; import it from there.", "True True"])
         with self.assertWarnsRegex(DeprecationWarning, "weight_slices"):
             surgery.key_map(__import__("torch").nn.Linear(2, 2))
 
