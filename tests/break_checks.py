@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # (what is broken, file, the exact text, what it becomes, the tests that must fail). A text of None: flip the first
 # ColwiseParallel() of the file to RowwiseParallel().
 MUTATIONS = [
-    ("sampled_checksum: float32 linspace indices (the src_data_rank=None bug)", "surgery/agreement.py",
+    ("sampled_checksum: float32 linspace indices (the src_data_rank=None bug)", "surgery/parallel/agreement.py",
         "    index = steps * (n - 1) // max(k - 1, 1)\n", "    index = torch.linspace(0, n - 1, k).long()\n",
         ["tests/test_published_width.py::PublishedWidth::test_flux2_dev"]),
-    ("shared SplitProjection plan: attn part replicated output", "surgery/split_projection.py",
+    ("shared SplitProjection plan: attn part replicated output", "surgery/core/split_projection.py",
         "    ATTN_PART: RowwiseParallel(output_layouts=Partial(), use_local_output=False),\n",
         "    ATTN_PART: RowwiseParallel(use_local_output=False),\n",
         ["tests/test_conformance.py::TensorParallel::test_world_4",
@@ -35,26 +35,26 @@ MUTATIONS = [
         "        grads, params = train_step(model, local_kw, local_target, cls, **opts)\n",
         "        grads, params = train_step(model, local_kw, local_target, cls, **dict(opts, lr=0.0))\n",
         ["tests/test_two_d_mesh.py::TensorTimesFSDP2::test_an_adamw_step_matches_one_device"]),
-    ("atomic swap: delete then rename instead of the exchange", "surgery/atomic.py",
+    ("atomic swap: delete then rename instead of the exchange", "surgery/io/atomic.py",
         "    if _renameat2(staged, target, _RENAME_EXCHANGE):\n        return staged\n",
         "    if True:\n        shutil.rmtree(target)\n        os.rename(staged, target)\n        return None\n",
         ["tests/test_atomic_save.py::NeverAbsent::test_the_destination_is_whole_at_every_step_of_the_swap"]),
-    ("plans-only: a QwenImage plan entry changed", "rewrites/qwenimage.py",
+    ("plans-only: the shared attention plan QwenImage uses changed", "rewrites/diffusers_common.py",
         None, None, ["tests/test_conformance.py::PlansOnly"]),
-    ("copy_from_source: already-sharded parameters not skipped (the pipeline hang)", "surgery/tensor_parallel.py",
+    ("copy_from_source: already-sharded parameters not skipped (the pipeline hang)", "surgery/parallel/tensor_parallel.py",
         "                if original is None or original is param:\n",
         "                if False:\n",
         ["tests/test_pipelines.py::KleinPipeline::test_tensor_parallel_over_two_ranks_gives_the_single_device_image"]),
-    ("tensor_parallel: blocks' unsharded parameters never released", "surgery/tensor_parallel.py",
+    ("tensor_parallel: blocks' unsharded parameters never released", "surgery/parallel/tensor_parallel.py",
         "        saved.release()\n        done.append(saved)\n", "        done.append(saved)\n",
         ["tests/test_published_width.py::PublishedWidth::test_hunyuan_video_t2v"]),
     ("LoRA on TP x FSDP2: single block's leaves not targeted", "tests/two_d_worker.py",
         r'''r"single_transformer_blocks\.0\.attn\.(to_qkv_mlp_proj\.(q|k|v|gate|up)|to_out\.(attn_part|mlp_part)))")''',
         r'''r"single_transformer_blocks\.0\.attn\.(to_[qkv]|to_out|mlp\.linear_\w+))")''',
         ["tests/test_two_d_mesh.py::LoRAOnTensorTimesFSDP2"]),
-    ("tensor_parallel: a collective before the ranks agree", "surgery/tensor_parallel.py",
-        "    agree(mesh, \"tensor_parallel\", check,\n",
-        "    dist.barrier(group=mesh.get_group())\n    agree(mesh, \"tensor_parallel\", check,\n",
+    ("tensor_parallel: a collective before the ranks agree", "surgery/parallel/tensor_parallel.py",
+        "    planned = agree(mesh, \"tensor_parallel\", check,",
+        "    dist.barrier(group=mesh.get_group())\n    planned = agree(mesh, \"tensor_parallel\", check,",
         ["tests/test_rank_agreement.py::Agreement::test_a_refusal_runs_no_collective_but_the_agreement"]),
 ]
 
@@ -76,6 +76,8 @@ def main(argv: list[str]) -> int:
                 passed.append(i)
                 continue
             target.write_text(text.replace(old, new, 1))
+            # the families install as `surgery_rewrites`: the scratch tree's own, not the editable install's
+            (tree / "surgery_rewrites").symlink_to(tree / "rewrites", target_is_directory=True)
             # the scratch tree first on the path (an editable install would import this tree otherwise); a hang
             # in a rank job fails within 90 s
             env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="90")
