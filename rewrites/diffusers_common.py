@@ -46,12 +46,7 @@ ATTENTION_TP_PLAN = {
 # norm_added_*, to_add_out), heads split across ranks; one all-reduce per output projection. Only the keys a module
 # has apply (a `pre_only` attention has no to_out).
 DOUBLE_STREAM_ATTENTION_TP_PLAN = {
-    "to_q": ColwiseParallel(),
-    "to_k": ColwiseParallel(),
-    "to_v": ColwiseParallel(),
-    "norm_q": HEAD_NORM,
-    "norm_k": HEAD_NORM,
-    "to_out.0": RowwiseParallel(),
+    **ATTENTION_TP_PLAN,
     "add_q_proj": ColwiseParallel(),
     "add_k_proj": ColwiseParallel(),
     "add_v_proj": ColwiseParallel(),
