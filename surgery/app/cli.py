@@ -15,8 +15,7 @@ from surgery.core.registry import families, model_names, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.io.checkpoint import convert_checkpoint
 from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
-from surgery.parallel.plans import block_path, effective_plan, plan_source, planned_for, style_source, wildcard_path
-from surgery.parallel.tensor_parallel import validate
+from surgery.parallel.plans import block_path, checked_plan, effective_plan, plan_source, style_source, wildcard_path
 from surgery.sight import diagram, render, report
 from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
 
@@ -302,7 +301,7 @@ def _show_plan(args: argparse.Namespace) -> int:
 
     name, family, config = _config(args)
     model = unfuse(model_on_meta(family, config))
-    validate(model, planned_for(model), args.tp or 1)  # no plan at all, or (with --tp) sizes the mesh cannot split
+    checked_plan(model, None, None, args.tp or 1)  # no plan at all, or (with --tp) sizes the mesh cannot split
     kinds: dict[str, dict[str, dict]] = {}  # kind -> block -> {key after the block: style}
     for key, style in effective_plan(model).items():
         block, _ = block_path(model, key)
