@@ -16,7 +16,7 @@ from surgery.core.rewrite import unfuse
 from surgery.io.checkpoint import convert_checkpoint
 from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
 from surgery.parallel.plans import block_path, checked_plan, effective_plan, plan_source, style_source, wildcard_path
-from surgery.sight import diagram, render, report
+from surgery.sight import diagram, forms, render, report, svg
 from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
 
 
@@ -338,7 +338,7 @@ def _block_forms(args: argparse.Namespace):
 
 def _inspect_svg(args: argparse.Namespace) -> int:
     name, model, inputs = _block_forms(args)
-    graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
+    graphs = forms.forms(model, inputs, module=args.module, tp=args.tp)
     if args.panels != "all":
         graphs = [g for g in graphs if g.title.startswith(args.panels)]
         if not graphs:
@@ -350,7 +350,7 @@ def _inspect_svg(args: argparse.Namespace) -> int:
     diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)",
                       max_width_px=args.width)
     with open(args.svg) as f:
-        width, height = diagram.svg_size_px(f.read())
+        width, height = svg.svg_size_px(f.read())
     print(f"wrote {args.svg} ({width:.0f} x {height:.0f} px): " + "; ".join(
         f"{row['graph']}: {row['nodes']} nodes" for row in diagram.summary(graphs)))
     return 0
