@@ -81,7 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     epilog = _models_epilog()
+    _demo_command(commands, epilog)
+    _plan_command(commands, epilog)
+    _inspect_command(commands, epilog)
+    _explore_command(commands, epilog)
+    _convert_command(commands, epilog)
+    return parser
 
+
+def _demo_command(commands, epilog: str) -> None:
+    """`surgery demo`: the main job: a seeded model unfused, checked and sharded over CPU processes."""
     demo = commands.add_parser(
         "demo", formatter_class=_Formatter, epilog=epilog,
         help="unfuse a seeded model (default FLUX.2-klein-4B-shaped) and shard it over CPU processes (no downloads)",
@@ -100,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--seed", type=int, default=0)
 
+
+def _plan_command(commands, epilog: str) -> None:
+    """`surgery plan`: per-rank layout, memory and collectives on one CPU."""
     plan = commands.add_parser(
         "plan", formatter_class=_Formatter, epilog=epilog,
         help="the per-rank layout, memory and collectives of a model at a TP size, on one CPU",
@@ -123,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
                       "(with --tp: checked to fit that size)")
 
+
+def _inspect_command(commands, epilog: str) -> None:
+    """`surgery inspect`: the rewrite table (and a diagram)."""
     inspect_parser = commands.add_parser(
         "inspect", formatter_class=_Formatter, epilog=epilog,
         help="the rewrite table of a model: which fused rows/columns each unfused Linear takes",
@@ -141,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
                          "README on a repository page gets about 880)")
 
+
+def _explore_command(commands, epilog: str) -> None:
+    """`surgery explore`: Google's Model Explorer on one block."""
     explore = commands.add_parser(
         "explore", formatter_class=_Formatter, epilog=epilog,
         help="open Google's Model Explorer on one block's graphs, with the TP plan's overlays",
@@ -157,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     explore.add_argument("--port", type=_port, default=8080, help="port the server listens on (default 8080)")
     explore.add_argument("--no-serve", action="store_true", help="only write the files")
 
+
+def _convert_command(commands, epilog: str) -> None:
+    """`surgery convert`: a checkpoint between layouts."""
     convert = commands.add_parser(
         "convert", formatter_class=_Formatter,
         help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
@@ -173,7 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--variant", help="read and write diffusion_pytorch_model.<VARIANT>.safetensors (e.g. fp16)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a checkpoint already in DST (other files there are kept)")
-    return parser
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
