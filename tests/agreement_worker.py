@@ -116,6 +116,22 @@ def run(rank: int, world: int) -> dict:
     verb = "save_pretrained" if other else "tensor_parallel"
     out["verbs"] = attempt(lambda m: agree(mesh, verb, lambda: None), None)
 
+    # shard_lora on rank 0 only (`if rank == 0:`): rank 0 raises within the handshake timeout naming rank 1; the
+    # barrier keeps rank 1 from meeting rank 0's handshake with its next verb
+    from peft import LoraConfig
+
+    model = surgery.tensor_parallel(unfused(), mesh)
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_out.0"]))
+    local = {n: (id(p), p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone())
+             for n, p in model.named_parameters()}  # per rank: torch.equal on a DTensor would be a collective
+    if not other:
+        with mock.patch.dict("os.environ", {"SURGERY_HANDSHAKE_TIMEOUT": "2"}):
+            out["shard_lora_alone"] = attempt(lambda _: surgery.shard_lora(model), None)
+        out["shard_lora_alone"]["intact"] = all(
+            id(p) == local[n][0] and torch.equal(p.to_local() if hasattr(p, "to_local") else p.detach(), local[n][1])
+            for n, p in model.named_parameters())
+    dist.barrier(group)
+
     # a failure midway (block 2, one rank only): every rank rolls back to the very same objects, and can retry
     reference = build(CONFIG, 3)
     kw = inputs(CONFIG, 3)

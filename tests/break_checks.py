@@ -71,6 +71,13 @@ MUTATIONS = [
         '    if getattr(module, "_hf_hook", None) is not None:\n', "    if False:\n",
         ["tests/test_bad_input.py::Refusals::test_accelerate_offloading_hooks",
          "tests/test_bad_input.py::AlreadySharded::test_accelerate_offloading_hooks_under_tensor_parallel"]),
+    ("shard_lora: no handshake (a rank alone waits in the first broadcast)", "surgery/integration/lora_tp.py",
+        'agree(mesh, "shard_lora", check)', "check()",
+        ["tests/test_rank_agreement.py::Agreement::test_shard_lora_on_one_rank_raises_there_naming_the_other"]),
+    ("add_adapter: DoRA on a sharded model not refused (PEFT's mixed Tensor/DTensor error)",
+        "surgery/integration/diffusers_hooks.py",
+        'if getattr(adapter_config, "use_dora", False) and any(', "if False and any(",
+        ["tests/test_lora_tp.py::AdaptersOnAShardedModel::test_bad_adapters_are_refused_on_every_rank_and_change_nothing"]),
 ]
 
 

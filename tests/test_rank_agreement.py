@@ -58,6 +58,14 @@ class Agreement(unittest.TestCase):
                 self.assertLess(r["verbs"]["seconds"], PROMPT_S)
                 self.assertEqual(r["verbs"]["collectives"], {"allgather_": 2})  # the verdict exchange, nothing after
 
+    def test_shard_lora_on_one_rank_raises_there_naming_the_other(self):
+        alone = results()[0]["shard_lora_alone"]
+        self.assertRegex(alone["error"] or "", r"^surgery.shard_lora: rank 1 did not call surgery.shard_lora within 2 s "
+                                               r"\(rank 0 did\)")
+        self.assertLess(alone["seconds"], PROMPT_S)
+        self.assertTrue(alone["intact"])
+        self.assertEqual(alone["collectives"], {})  # nothing but the store's handshake
+
     def test_a_refusal_runs_no_collective_but_the_agreement(self):
         # "before the first collective", counted: a call refused on any rank issues only the agreement's exchanges
         # (each an all_gather_object: two allgathers, sizes then data), never a weight broadcast, scatter or
