@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import tp_plan_for
+from surgery.core.registry import replicated_for, tp_plan_for
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.transformers_plans import stock_plan
 
@@ -207,6 +207,88 @@ def block_plans(model: nn.Module, planned: Planned) -> dict[str, dict[str, Paral
     for block, style in own.items():
         blocks[block][""] = style
     return blocks
+
+
+# --- coverage: no block left half sharded in silence -----------------------------------------------------------------
+
+# Linears of diffusers' adaptive norms (AdaLayerNormZero, AdaLayerNormContinuous, LuminaRMSNormZero, ...) turn the
+# conditioning embedding, which every rank holds whole, into the shifts, scales and gates of the full-width hidden
+# states: whole on every rank by design (diffusers' own `_tp_plan` leaves them so too).
+# Linears of diffusers' embedding modules (timestep, pooled-text and caption embedders) read inputs every rank holds
+# whole and feed the conditioning: whole too.
+DERIVED_REPLICATED = {
+    "diffusers.models.normalization": "adaptive-norm modulation of the replicated conditioning embedding",
+    "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
+}
+
+
+def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`(path, block)` for the model's transformer blocks, outermost only: the modules of its `_repeated_blocks`
+    classes where it names them (diffusers' regional-compile list), else the elements of the ModuleLists that are
+    its direct children."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    lists = {id(child) for child in model.children() if isinstance(child, nn.ModuleList)}
+    parents = dict(model.named_modules())
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p, _ in found):
+            continue
+        block = type(module).__name__ in names if names else id(parents[path.rpartition(".")[0]]) in lists
+        if block:
+            found.append((path, module))
+    return found
+
+
+def replicated_reason(block: nn.Module, key: str) -> str | None:
+    """Why the Linear at `key` (relative to `block`) is whole on every rank on purpose, or None: an enclosing
+    module's class declares it (`surgery.core.registry.register_replicated`), or it belongs to an adaptive norm."""
+    names = key.split(".")
+    for i in range(len(names)):
+        owner = block.get_submodule(".".join(names[:i]))
+        rest = ".".join(names[i:])
+        for pattern, reason in replicated_for(owner).items():
+            if fnmatchcase(rest, pattern):
+                return reason
+        if i and type(owner).__module__ in DERIVED_REPLICATED:
+            return DERIVED_REPLICATED[type(owner).__module__]
+    return None
+
+
+def unplanned_linears(model: nn.Module, planned: Planned) -> tuple[list[tuple[str, nn.Module]], int]:
+    """The Linears inside transformer blocks that no plan entry covers (the entry's path, or one above it: a
+    PEFT-wrapped or split leaf) and no declaration keeps whole on purpose; and how many Linears the blocks hold."""
+    covered = {_join(path, key) for path, _, plan in planned for key in plan}
+    left, total = [], 0
+    for block_path_, block in transformer_blocks(model):
+        for key, module in block.named_modules():
+            if not isinstance(module, nn.Linear) or not key:
+                continue
+            total += 1
+            path = _join(block_path_, key)
+            names = path.split(".")
+            if any(".".join(names[:i]) in covered for i in range(1, len(names) + 1)):
+                continue
+            if replicated_reason(block, key) is None:
+                left.append((path, module))
+    return left, total
+
+
+def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_parallel") -> None:
+    """Refuse a model whose blocks the registered plans would shard only in part: every rank would keep the rest
+    whole, and the model would look sharded while holding most of its weights on each rank."""
+    left, total = unplanned_linears(model, planned)
+    if not left:
+        return
+    path, module = left[0]
+    owner = path.rpartition(".")[0]
+    owner_cls = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+    raise SurgeryError(
+        f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan: "
+        f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
+        "every rank, a half-sharded model. Register a plan for its module (surgery.register_tp_plan), declare it "
+        "replicated on purpose with its reason (surgery.core.registry.register_replicated), or pass plan= / "
+        "filter_fn= to shard only what you name."
+    )
 
 
 def check_unfused(model: nn.Module, verb: str = "tensor_parallel") -> None:

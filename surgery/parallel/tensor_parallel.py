@@ -30,6 +30,7 @@ from surgery.parallel.plans import (
     FilterFn,
     Planned,
     block_plans,
+    check_coverage,
     check_unfused,
     enclosing,
     planned_for,
@@ -272,6 +273,8 @@ def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None
     # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
     # owners are
     validate(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must too
+        check_coverage(model, planned)
     return planned
 
 
