@@ -27,24 +27,18 @@ from torch.distributed.tensor.parallel import (
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import replicated_for, tp_plan_for
 from surgery.core.walk import find_modules, outermost
+from surgery.parallel.derive import Refused, check_derived_heads, derived, per_head_norm  # noqa: F401 (per_head_norm: its home for families)
 from surgery.parallel.transformers_plans import stock_plan
 
 Planned = list[tuple[str, nn.Module, dict]]
 FilterFn = Callable[[nn.Module, str], bool]
 
 
-def per_head_norm(head_dim: int = 2) -> SequenceParallel:
-    """The style for a norm applied to each rank's own heads (QK-norm on `[batch, seq, heads, head_dim]`).
-
-    Its weight becomes a replicated DTensor and its input is declared sharded on the heads dim, so gradients of the
-    weight are summed over ranks; no collective runs in forward.
-    """
-    return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
-
-
 def planned_modules(model: nn.Module) -> Planned:
     """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only), then
-    those that transformers' own plan names (`surgery.parallel.transformers_plans`), outside the registered ones."""
+    the attention modules of the transformer blocks that no registered plan covers, with their derived plans
+    (`surgery.parallel.derive`), then those that transformers' own plan names
+    (`surgery.parallel.transformers_plans`), outside the registered ones."""
 
     def match(module: nn.Module) -> dict | None:
         plan, _ = tp_plan_for(module)
@@ -54,12 +48,33 @@ def planned_modules(model: nn.Module) -> Planned:
 
     registered_plans = outermost(model, match)
     covered = [path for path, _, _ in registered_plans]
+    derived_plans = [(path, module, plan) for path, module, plan in derived_in_blocks(model, covered)
+                     if not isinstance(plan, Refused)]
+    covered += [path for path, _, _ in derived_plans]
 
     def inside(path: str) -> bool:
         return any(p == "" or path == p or path.startswith(p + ".") for p in covered)
 
     # Modules no registered plan covers, where the model carries transformers' own plan (a text encoder).
-    return registered_plans + stock_plan(model, skip=inside)
+    return registered_plans + derived_plans + stock_plan(model, skip=inside)
+
+
+def derived_in_blocks(model: nn.Module, covered: list[str]) -> list[tuple[str, nn.Module, dict | Refused]]:
+    """`(path, module, derived plan or Refused)` for the modules of the transformer blocks that a derivation rule is
+    about, outside the `covered` paths and with no registered plan that accepts them (a family's plan overrides)."""
+    out: list[tuple[str, nn.Module, dict | Refused]] = []
+    for block, module in transformer_blocks(model):
+        for key, child in module.named_modules():
+            path = _join(block, key)
+            if any(p == "" or path == p or path.startswith(p + ".") for p in covered) or any(
+                    path.startswith(p + ".") for p, _, _ in out):
+                continue
+            if tp_plan_for(child)[0] is not None:
+                continue
+            plan = derived(child)
+            if plan is not None:
+                out.append((path, child, plan))
+    return out
 
 
 def _has_submodule(module: nn.Module, path: str) -> bool:
@@ -282,8 +297,11 @@ def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_paral
     path, module = left[0]
     owner = path.rpartition(".")[0]
     owner_cls = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+    refusals = [(p, plan.reason) for p, _, plan in derived_in_blocks(model, [p for p, _, _ in planned])
+                if isinstance(plan, Refused) and path.startswith(p + ".")]
+    why = f" (no plan derived for '{refusals[0][0]}': {refusals[0][1]})" if refusals else ""
     raise SurgeryError(
-        f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan: "
+        f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan{why}: "
         f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
         "every rank, a half-sharded model. Register a plan for its module (surgery.register_tp_plan), declare it "
         "replicated on purpose with its reason (surgery.core.registry.register_replicated), or pass plan= / "

@@ -26,6 +26,7 @@ from surgery.core.checks import check_hooks, check_linear, check_model, mesh_siz
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import tp_plan_for, tp_plans
 from surgery.parallel.agreement import agree, fingerprint
+from surgery.parallel.derive import check_derived_heads, is_attention
 from surgery.parallel.plans import (
     FilterFn,
     Planned,
@@ -78,7 +79,9 @@ def validate(model: nn.Module, planned: Planned, world: int) -> None:
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
-        _, check = tp_plan_for(module)
+        registered, check = tp_plan_for(module)
+        if registered is None and check is None and is_attention(module):
+            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
