@@ -32,10 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.core.leaves import Processors, recast, rows, twin, under
-from surgery.core.registry import Family, Rewrite
-from surgery.core.slicing import row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.extend import Family, Processors, Rewrite, SPLIT_PROJECTION_TP_PLAN, recast, row_slices, rows, twin, under
 
 OvisImageSplitSingleTransformerBlock = twin(
     OvisImageSingleTransformerBlock, "OvisImageSplitSingleTransformerBlock", method="forward"

@@ -15,7 +15,7 @@ from diffusers import Flux2Transformer2DModel
 import surgery
 from surgery.core.walk import find_modules
 from flux2_testing import build, small_config
-from surgery_rewrites.flux2 import CONFIGS, example_inputs
+from surgery_rewrites.flux2 import VARIANTS, example_inputs
 from surgery.sight import diagram
 from surgery.app.cli import main
 from surgery.core.build import default_dtype
@@ -33,7 +33,7 @@ def projections(graph):
 
 # klein-9B at full width (32 heads x 128, hidden 4096, MLP 12288) with one block of each kind: per-block graphs and
 # per-rank shapes are those of the real model, at a fraction of the planning time.
-KLEIN9B_WIDTH = dict(CONFIGS["klein-9b"], num_layers=1, num_single_layers=1)
+KLEIN9B_WIDTH = dict(VARIANTS["klein-9b"], num_layers=1, num_single_layers=1)
 
 
 def klein9b():
@@ -295,7 +295,7 @@ class Commands(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.config = os.path.join(cls.tmp.name, "config.json")  # klein-4B width, one block of each kind
         with open(cls.config, "w") as f:
-            json.dump(dict(CONFIGS["klein-4b"], num_layers=1, num_single_layers=1,
+            json.dump(dict(VARIANTS["klein-4b"], num_layers=1, num_single_layers=1,
                            _class_name="Flux2Transformer2DModel"), f)
 
     @classmethod
@@ -416,7 +416,7 @@ class OtherFamilies(unittest.TestCase):
 
     def test_input_names_and_output_edge(self):
         for name in ("flux1", "hunyuan-video"):
-            family = surgery.families()[name]
+            family = surgery.extend.families()[name]
             config = next(iter(family.test_configs.values()))
             model = surgery.core.build.model_on_meta(family, config)
             inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")

@@ -22,7 +22,7 @@ def _owner(key: str):
 
 class Drift(unittest.TestCase):
     def test_every_listed_edit_fits_the_installed_source_exactly(self):
-        surgery.registered()  # builds every family's twins
+        surgery.core.registry.registered()  # builds every family's twins
         for key, edits in leaves.EDITS.items():
             stock, method = _owner(key)
             source = textwrap.dedent(inspect.getsource(getattr(stock, method)))
@@ -37,7 +37,7 @@ class Drift(unittest.TestCase):
             self.assertNotEqual(edited, source, key)
 
     def test_every_twin_in_use_is_built_from_a_listed_edit(self):
-        surgery.registered()
+        surgery.core.registry.registered()
         for stock, twin in leaves._twins.items():
             method = "__call__" if "__call__" in vars(twin) else "forward"
             self.assertIn(f"{leaves.qualified(stock)}.{method}", leaves.EDITS)

@@ -47,7 +47,7 @@ def sharded_case(rank: int, world: int, config_name: str, seed: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(model, kw, seed)
-    got = surgery.fuse_state_dict(got, surgery.weight_slices(model))
+    got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(model))
     return {
         "forward": forward,
         "collectives": dict(counter.counts),
@@ -83,7 +83,7 @@ class Equivalence(unittest.TestCase):
             (_, ref), (_, got) = W.gradients(fused, kw, 0), W.gradients(unfused, kw, 0)
             weight = ref[REFINER_KEY_BIAS.replace("bias", "weight")].abs().max()
             self.assertLess(ref[REFINER_KEY_BIAS].abs().max(), 1e-5 * weight, name)
-            errors = gradient_errors(surgery.fuse_state_dict(got, surgery.weight_slices(unfused)), ref)
+            errors = gradient_errors(surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused)), ref)
             self.assertLessEqual(max(errors.values()), W.FP32_TOL, name)
 
 

@@ -75,7 +75,7 @@ def validate(model: nn.Module, planned: Planned, world: int) -> None:
         known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}). Register one with surgery.register_tp_plan."
+            f"(known: {', '.join(known)}). Register one with surgery.core.registry.register_tp_plan."
         )
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
