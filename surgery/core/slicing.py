@@ -81,7 +81,8 @@ def back_to_back(tensors: list[torch.Tensor], dim: int) -> torch.Tensor | None:
         if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
             return None
         offset += n
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, stride)
+    # a view of the first tensor reaching over the rest of the storage (what torch.compile can trace through)
+    return first.detach().as_strided(shape, stride, first.storage_offset())
 
 
 def concat(parts: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, int]:

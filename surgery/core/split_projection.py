@@ -257,10 +257,19 @@ def lay_out(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
         view = whole.narrow(dim, start, piece.shape[dim])
         start += piece.shape[dim]
         if isinstance(t, DTensor):
-            t._local_tensor = view
+            t._local_tensor = _alias(view)
         else:
             t.data = view
     return whole
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """`view`'s values as a tensor of its own storage object starting where `view` starts (a slice of the buffer's
+    storage, which keeps the buffer alive): torch.compile cannot trace a DTensor whose local tensor has a storage
+    offset (torch 2.13: "set the storage of a tensor on device cpu to a storage on ... meta")."""
+    es = view.element_size()
+    storage = view.untyped_storage()[view.storage_offset() * es:]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
 
 
 def parts_of(leaf: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
