@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import torch
@@ -18,6 +19,8 @@ from surgery.core.errors import SurgeryError  # noqa: E402
 from surgery.parallel.plans import effective_plan  # noqa: E402
 from surgery.parallel.quantized import held_bytes, local_parts  # noqa: E402
 from flux2_testing import build, inputs, rel_err, small_config  # noqa: E402
+
+from surgery_rewrites.flux2 import FAMILY  # noqa: E402
 
 CONFIG = "tp_wide"
 
@@ -44,10 +47,10 @@ def in_blocks(module, fqn: str) -> bool:
     return isinstance(module, torch.nn.Linear) and "transformer_blocks." in fqn
 
 
-def quantize(model, config):
+def quantize_all(model, config, filter_fn=None):
     from torchao.quantization import quantize_
 
-    quantize_(model, config, filter_fn=in_blocks)
+    quantize_(model, config, filter_fn=filter_fn)
     return model
 
 
@@ -86,6 +89,9 @@ def run(rank: int, world: int) -> dict:
     mine = unfused if rank == 0 else surgery.unfuse(build(config, seed=1))
     result = {}
     for name, qconfig in configs().items():
+        # every Linear (torchao's default), except for groups of 16, which the 24 input features of the context
+        # embedder do not divide into
+        quantize = functools.partial(quantize_all, filter_fn=in_blocks if "groups" in name else None)
         whole = quantize(copy.deepcopy(unfused), qconfig)
         expected = _forward(whole, kw)
         row = {"whole_bytes": held_bytes(whole)}
@@ -114,8 +120,46 @@ def run(rank: int, world: int) -> dict:
         except Exception as error:  # noqa: BLE001 - recorded for the report
             row["stock"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
         result[name] = row
+    result["int8_dynamic_activation"]["sensitivity"] = sensitivity(unfused, kw, configs()["int8_dynamic_activation"])
+    result["dynamic_two_linears"] = two_linears(mesh, configs()["int8_dynamic_activation"])
     result["refusals"] = refusals(mesh, unfused)
+    from surgery.sight.report import quantized_plan
+
+    for quant, measured in (("int8", "int8_weight_only"), ("fp8", "float8_weight_only")):
+        planned = quantized_plan(config, [world], quant, family=FAMILY, dtype=torch.float32)["rows"][0]
+        result[measured]["planned_bytes"] = planned["bytes_per_rank"]
     return result
+
+
+def sensitivity(unfused, kw, qconfig) -> float:
+    """How far the whole quantized model moves when its input moves by float noise (1e-7 relative): dynamic
+    activation quantization rounds activations, so noise that crosses a rounding boundary changes them by one int8
+    step, and later layers carry that on."""
+    whole = quantize_all(copy.deepcopy(unfused), qconfig)
+    expected = _forward(whole, kw)
+    noisy = dict(kw)
+    generator = torch.Generator().manual_seed(0)
+    x = kw["hidden_states"]
+    noisy["hidden_states"] = x * (1 + 1e-7 * torch.randn(x.shape, generator=generator))
+    return rel_err(_forward(whole, noisy), expected)
+
+
+def two_linears(mesh, qconfig) -> float:
+    """A colwise then a rowwise Linear, dynamically quantized, sharded by surgery vs run whole: the first quantization
+    sees the very same input, so the per-token scales (taken over the whole row, across ranks) and the int32 sums must
+    agree to float noise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 160, bias=False), torch.nn.Linear(160, 64, bias=False))
+    x = torch.randn(2, 16, 64)
+    whole = quantize_all(copy.deepcopy(base), qconfig)
+    with torch.no_grad():
+        expected = whole(x)
+    model = quantize_all(copy.deepcopy(base), qconfig)
+    surgery.tensor_parallel(model, mesh, plan={"0": ColwiseParallel(), "1": RowwiseParallel()})
+    with torch.no_grad():
+        return rel_err(model(x), expected)
 
 
 def refusals(mesh, unfused) -> dict:
@@ -125,7 +169,7 @@ def refusals(mesh, unfused) -> dict:
 
     out = {}
     # blocks of 32 columns: the single blocks' MLP down projection (160 columns) cut into 80 per rank splits a block
-    model = quantize(copy.deepcopy(unfused), Int8WeightOnlyConfig(granularity=PerGroup(32)))
+    model = quantize_all(copy.deepcopy(unfused), Int8WeightOnlyConfig(granularity=PerGroup(32)), in_blocks)
     snap = {name: (id(p), [part.clone() for part in _parts(p)]) for name, p in model.named_parameters()}
     try:
         surgery.tensor_parallel(model, mesh)
@@ -138,7 +182,7 @@ def refusals(mesh, unfused) -> dict:
     try:
         from torchao.quantization import Int4WeightOnlyConfig
 
-        quantize(copy.deepcopy(unfused), Int4WeightOnlyConfig(group_size=32))
+        quantize_all(copy.deepcopy(unfused), Int4WeightOnlyConfig(group_size=32), in_blocks)
         out["int4"] = "quantized"
     except Exception as error:  # noqa: BLE001 - torchao's own refusal on this machine
         out["int4"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"

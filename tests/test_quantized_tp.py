@@ -13,11 +13,6 @@ import quant_worker
 WORLD = 2
 # Same int8 weights and scales, same math: only float summation order differs.
 EXACT = ["int8_weight_only", "float8_weight_only", "int8_groups_of_16"]
-# Dynamic activation quantization rounds each activation to int8 per token: float noise from a different summation
-# order upstream can move an activation across a rounding boundary, changing it by one int8 step (1/127 of its
-# token's largest value). The bound is that one step; a wrong cut (scales of other rows, a missed all-reduce) is off
-# by the size of the output itself.
-ONE_INT8_STEP = 1 / 127
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,9 +26,18 @@ class QuantizeThenShard(unittest.TestCase):
         for rank, result in enumerate(results()):
             self.assertLessEqual(result[name]["before"], FP32_TOL, f"rank {rank}")
 
-    def test_dynamic_activation_within_one_int8_step(self):
+    def test_dynamic_activation_one_layer_pair_equals_whole(self):
         for rank, result in enumerate(results()):
-            self.assertLessEqual(result["int8_dynamic_activation"]["before"], ONE_INT8_STEP, f"rank {rank}")
+            self.assertLessEqual(result["dynamic_two_linears"], FP32_TOL, f"rank {rank}")
+
+    def test_dynamic_activation_model_within_its_own_noise_sensitivity(self):
+        # Dynamic activation quantization rounds each activation to int8 per token: the float noise of another
+        # summation order upstream moves some across a rounding boundary (one int8 step each), and later layers carry
+        # that on. The whole quantized model moves as far under 1e-7 relative input noise; the sharded one may differ
+        # from it by no more than twice that.
+        for rank, result in enumerate(results()):
+            row = result["int8_dynamic_activation"]
+            self.assertLessEqual(row["before"], 2 * row["sensitivity"], f"rank {rank}")
 
     @parameterized.expand([(n,) for n in [*EXACT, "int8_dynamic_activation"]])
     def test_each_rank_holds_its_quantized_shards(self, name):
@@ -60,7 +64,7 @@ class ShardThenQuantize(unittest.TestCase):
     def test_dynamic_activation_same_as_quantized_first(self):
         for result in results():
             row = result["int8_dynamic_activation"]
-            self.assertLessEqual(row["after"], ONE_INT8_STEP)
+            self.assertEqual(row["after"], row["before"])
 
     @parameterized.expand([(n,) for n in [*EXACT, "int8_dynamic_activation"]])
     def test_same_bytes_either_order(self, name):
@@ -74,3 +78,10 @@ class StockParallelizeModule(unittest.TestCase):
     @parameterized.expand([(n,) for n in [*EXACT, "int8_dynamic_activation"]])
     def test_fails_where_surgery_shards(self, name):
         self.assertIn("NotImplementedError", results()[0][name]["stock"])
+
+
+class Planner(unittest.TestCase):
+    @parameterized.expand([("int8_weight_only",), ("float8_weight_only",)])
+    def test_surgery_plan_quant_predicts_the_bytes_each_rank_holds(self, name):
+        for result in results():
+            self.assertEqual(result[name]["planned_bytes"], result[name]["before_bytes"])
