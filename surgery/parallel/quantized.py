@@ -113,6 +113,16 @@ def shard_quantized(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_
     return type(tensor).__tensor_unflatten__(sharded, meta, tensor.shape, tensor.stride())
 
 
+def mesh_of(tensor: torch.Tensor):
+    """The mesh a (possibly quantized) weight is sharded over: a DTensor's, or that of a torchao tensor's DTensor inner
+    tensors; None for a whole weight."""
+    if isinstance(tensor, DTensor):
+        return tensor.device_mesh
+    if torchao_tensor(tensor):
+        return next((p.device_mesh for p in _inner(tensor)[0].values() if isinstance(p, DTensor)), None)
+    return None
+
+
 def local_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors this rank holds for `tensor`: its local shard, or a quantized tensor's inner tensors' shards."""
     if isinstance(tensor, DTensor):
