@@ -130,6 +130,9 @@ def _plan_command(commands, epilog: str) -> None:
     plan.add_argument("--pipeline", action="store_true",
                       help="every component of the published pipeline (transformer, text encoders, VAE): bytes per "
                       "rank, sharded and replicated")
+    plan.add_argument("--quant", choices=["int8", "fp8", "q4"],
+                      help="GiB per rank with the sharded block Linears quantized (torchao int8 or float8 with per-row "
+                      "scales, GGUF Q4_K), the rest in --dtype: at --tp, or at every TP from 1 to 8")
     plan.add_argument("--show-plan", action="store_true",
                       help="print the plan surgery.tensor_parallel applies, one block of each kind, as a literal dict "
                       "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
@@ -242,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                                           ("--dp", args.dp > 1)) if given]
         if extra:
             parser.error(f"--show-plan prints the plan alone: drop {', '.join(extra)}")
+    elif args.command == "plan" and args.quant is not None:
+        extra = [flag for flag, given in (("--pipeline", args.pipeline), ("--cp", args.cp > 1), ("--dp", args.dp > 1))
+                 if given]
+        if extra:
+            parser.error(f"--quant plans the transformer over TP alone: drop {', '.join(extra)}")
     elif args.command == "plan" and args.tp is None:
         parser.error("the following arguments are required: --tp")
     try:
@@ -295,6 +303,11 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
             return 0
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
+        return 0
+    if args.quant is not None:
+        tps = [args.tp] if args.tp is not None else range(1, 9)
+        result = report.quantized_plan(config, tps, args.quant, family=family, dtype=getattr(torch, args.dtype))
+        print(json.dumps(result, indent=1) if args.json else report.quantized_plan_text(name, result))
         return 0
     if args.pipeline:
         if args.config is not None or args.cp > 1 or args.dp > 1:

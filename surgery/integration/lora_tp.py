@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from surgery.parallel.quantized import mesh_of
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.loaders.lora_base import _best_guess_weight_name
@@ -74,9 +75,9 @@ def tp_mesh(model: nn.Module, styles: Mapping[str, ParallelStyle] | None = None)
     """The 1-D mesh the planned Linears of `model` are sharded over (None when the model is not sharded)."""
     styles = linear_styles(model) if styles is None else styles
     for path in styles:
-        weight = _base_weight(model.get_submodule(path))
-        if isinstance(weight, DTensor):
-            return weight.device_mesh
+        mesh = mesh_of(_base_weight(model.get_submodule(path)))  # a quantized weight's mesh is its inner tensors'
+        if mesh is not None:
+            return mesh
     return None
 
 

@@ -30,6 +30,7 @@ from surgery.core.errors import SurgeryError
 from surgery.core.registry import replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
 
@@ -390,9 +391,12 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
             if placements is None:
                 continue
             linear_path = f"{path}.{key}" if path else key
-            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
+            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding),
+                         quantized=quant.quantized)
             check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
             dim = placements["weight"][0].dim
+            if quant.quantized(linear.weight):
+                quant.check_split(linear.weight, dim, world, f"{linear_path}.weight")
             size = linear.weight.shape[dim]
             if size % world:
                 what = "output features" if dim == 0 else "input features"
