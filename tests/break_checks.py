@@ -84,6 +84,9 @@ MUTATIONS = [
     ("load_lora_adapter (sharded): ranks' different adapter names not refused", "surgery/integration/lora_tp.py",
         "    if len(set(names)) > 1:", "    if False:",
         ["tests/test_save_faults.py::SaveFaults::test_every_rank_raises_at_once_and_nothing_is_left_behind"]),
+    ("FLUX.2 plan: the feed-forward's up rows left whole", "rewrites/flux2.py",
+        '    "linear_in.up": ColwiseParallel(),\n', "",
+        ["tests/test_tensor_parallel.py::Cost::test_per_rank_bytes_are_replicated_plus_sharded_over_world_0"]),
 ]
 
 
