@@ -92,9 +92,11 @@ MUTATIONS = [
 
 def _pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
     # the scratch tree first on the path (an editable install would import this tree otherwise); a hang in a rank job
-    # fails within 90 s
-    env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="90")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=tree,
+    # fails within 300 s (the LoRA-under-TP job alone takes over 90 s on a busy machine)
+    env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="300")
+    # every named test, the heavy tier too (pyproject leaves it out by default)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "heavy or not heavy",
+                           *tests], cwd=tree,
                           env=env, capture_output=True, text=True)
 
 

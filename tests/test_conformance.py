@@ -18,6 +18,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import pytest
 import torch
 from parameterized import parameterized
 from safetensors.torch import load_file
@@ -234,6 +235,7 @@ class TensorParallel(unittest.TestCase):
                 self.assertLessEqual(r["diffusers_forward"], W.FP32_TOL)  # their plan is a fair baseline
                 self.assertLessEqual(sum(r["collectives"].values()), sum(r["diffusers_collectives"].values()))
 
+    @pytest.mark.heavy  # 4 spawned ranks: CI runs it second (tests/conftest.py)
     def test_world_4(self):
         for by_case in tp_results(4):
             for key, r in by_case.items():

@@ -1,12 +1,15 @@
 """Training a LoRA under TP 2 x FSDP2 2 (4 gloo ranks): examples/train_lora_tp.py's core against the same steps on one
 device, and the saved adapter in stock diffusers. One spawned job (tests/lora_train_worker.py)."""
 
+import pytest
 import functools
 import tempfile
 import unittest
 
 from surgery.testing import run_on_cpu_ranks
 import lora_train_worker
+
+pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
 FP32_TOL = 1e-5
 

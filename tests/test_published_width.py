@@ -11,12 +11,15 @@ keeps 8 bits of mantissa, and the unfused model sums a split `proj_out` in anoth
 sharded loads and `fuse` bitwise.
 """
 
+import pytest
 import shutil
 import tempfile
 import unittest
 
 from published_width_worker import user_paths
 from surgery.testing import run_on_cpu_ranks
+
+pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
 BF16_TOL = 3e-2
 

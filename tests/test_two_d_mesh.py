@@ -4,11 +4,14 @@ PEFT LoRA), vs one device.
 One spawned job runs every 4-rank check (see tests/two_d_worker.py); each test reads its part, on every rank.
 """
 
+import pytest
 import functools
 import unittest
 
 from surgery.testing import run_on_cpu_ranks
 import two_d_worker
+
+pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
 FP32_TOL = 1e-5
 
