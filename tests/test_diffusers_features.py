@@ -375,7 +375,7 @@ def test_gradient_checkpointing(family_name, config_name):
     for name, error in W.gradient_errors(got, ref).items():
         assert error <= TOL, name
     for name, grad in ref_in.items():
-        assert rel_err(got_in[name], grad) <= TOL, name
+        assert rel_err(got_in[name], grad) <= W.FP32_GRAD_TOL, name
 
 
 # --- LoRA save: diffusers' errors and adapters that unfuse need not split -------------------------------------------

@@ -19,7 +19,7 @@ from flux2_testing import build, small_config
 from surgery.app.cli import main as surgery_main
 from surgery.testing import single_rank_group
 
-FP32_TOL, BF16_TOL = 1e-5, 3e-2
+from surgery.testing import BF16_TOL, FP32_TOL
 ROOT = Path(tempfile.mkdtemp(prefix="surgery-load-"))
 # name -> (config, seed, dtype, save_pretrained kwargs)
 CHECKPOINTS = {

@@ -11,7 +11,7 @@ import lora_train_worker
 
 pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
-FP32_TOL = 1e-5
+from surgery.testing import FP32_GRAD_TOL, FP32_TOL
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,7 +26,7 @@ class LoraOnTensorParallelTimesFSDP2(unittest.TestCase):
             for optimizer in ("sgd", "adamw"):  # AdamW with eps=0.1: its step is nearly linear in the gradient
                 with self.subTest(rank=rank, optimizer=optimizer):
                     r = result[optimizer]
-                    self.assertLessEqual(r["trained"], FP32_TOL)
+                    self.assertLessEqual(r["trained"], FP32_GRAD_TOL)
                     self.assertGreater(r["skipped step"], 100 * FP32_TOL)
                     self.assertGreater(r["factors"], 40)
                     # lora_B of colwise bases: rows over "tp", FSDP2 over "dp"; lora_A of colwise bases replicated

@@ -21,7 +21,7 @@ from surgery.testing import run_on_cpu_ranks
 
 pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
-BF16_TOL = 3e-2
+from surgery.testing import BF16_TOL
 
 # (family, widest published variant, depth, paths). Every path runs at least once at published width; the ones
 # that write GB checkpoints (save_pretrained of the TP model, convert both ways, load_tensor_parallel of both layouts)

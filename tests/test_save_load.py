@@ -21,7 +21,7 @@ from surgery.testing import run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
 from surgery.io import safetensors_writer
 
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 
 
 def digests(folder: Path) -> dict[str, str]:
