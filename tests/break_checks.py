@@ -87,6 +87,12 @@ MUTATIONS = [
     ("FLUX.2 plan: the feed-forward's up rows left whole", "rewrites/flux2.py",
         '    "linear_in.up": ColwiseParallel(),\n', "",
         ["tests/test_tensor_parallel.py::Cost::test_per_rank_bytes_are_replicated_plus_sharded_over_world_0"]),
+    ("feature tests: the test's own exceptions turned into skips", "tests/test_diffusers_features.py",
+        "            raise  # the test's own mistake, not stock's refusal\n", "            pass\n",
+        ["tests/test_diffusers_features.py::test_on_stock_skips_for_stock_refusals_only"]),
+    ("TP save: the high-water mark not reset after the model's build (the save's peak unseen)", "tests/save_worker.py",
+        '        clear.write("5")\n', '        clear.write("")\n',
+        ["tests/test_save_load.py::SaveMemory::test_each_rank_holds_about_one_or_two_tensors_not_its_shard"]),
 ]
 
 

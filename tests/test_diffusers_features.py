@@ -54,6 +54,20 @@ def on_stock(what: str, fn, model):
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+def test_on_stock_skips_for_stock_refusals_only():
+    _, _, stock = W.make("flux2", next(iter(surgery.families()["flux2"].test_configs)))
+
+    def own_mistake(model):
+        raise KeyError("a mistake of the test's own")
+
+    with pytest.raises(KeyError):
+        on_stock("a feature", own_mistake, stock)
+    with pytest.raises(AssertionError):
+        on_stock("a feature", lambda m: assert_same_outputs([torch.ones(1)], [torch.zeros(1)]), stock)
+    with pytest.raises(pytest.skip.Exception, match="stock Flux2Transformer2DModel refuses a feature: ValueError"):
+        on_stock("a feature", lambda m: m.enable_cache(object()), stock)  # diffusers' own refusal
+
+
 def steps(family, config, n: int = 4):
     """Keyword arguments of `n` denoising-like calls: the latents drift, the timestep falls."""
     kw = W.inputs(family, config, 0)
@@ -419,8 +433,11 @@ TP_FEATURES = ["first_block", "taylorseer", "mag", "layer_skip"]
 def tp_results() -> list[dict]:
     """One gloo job at world 2: each family's unfused model sharded, with each feature, against the stock model with
     the same feature on one device; plus regional compile (eager backend) for one family."""
-    cases = [(n, c, TP_FEATURES) for n, c in CASES if surgery.families()[n].rewrites]
-    compile_case = next(n for n, c, _ in cases if getattr(surgery.families()[n].model_class, "_repeated_blocks", None))
+    # plans-only families too: their sharded model against the single-device one is a real comparison
+    cases = [(n, c, TP_FEATURES) for n, c in CASES]
+    compile_case = next(n for n, c, _ in cases
+                        if surgery.families()[n].rewrites and getattr(surgery.families()[n].model_class,
+                                                                      "_repeated_blocks", None))
     cases = [(n, c, f + ["regional_compile"] if n == compile_case else f) for n, c, f in cases]
     return run_on_cpu_ranks(TPW.run, 2, cases)
 
@@ -428,8 +445,6 @@ def tp_results() -> list[dict]:
 @pytest.mark.parametrize("feature", TP_FEATURES + ["regional_compile"])
 @pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
 def test_feature_under_tensor_parallel(family_name, config_name, feature):
-    if not surgery.families()[family_name].rewrites:
-        pytest.skip(f"{family_name} is a plans-only family: unfuse changes no module, nothing to compare")
     results = tp_results()
     key = f"{family_name}/{feature}"
     if key not in results[0]:
