@@ -173,7 +173,7 @@ def run(rank: int, world: int, root: str) -> dict:
 
     model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_out.0", "to_qkv_mlp_proj"],
                                  init_lora_weights=False), adapter_name="x")
-    surgery.shard_lora(model)
+    lora_tp.shard_lora(model)
     lora = root / "lora" / "adapter"
     case("lora_rank_0_only", lambda: model.save_lora_adapter(lora, adapter_name="x") if rank == 0 else None, lora)
     case("lora_both_after", lambda: model.save_lora_adapter(lora, adapter_name="x"), lora)
