@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import surgery
-from surgery.integration.lora_tp import shard_lora
 from surgery.parallel.agreement import agree
 from surgery.testing import CollectiveCounter
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
@@ -127,7 +126,7 @@ def run(rank: int, world: int) -> dict:
              for n, p in model.named_parameters()}  # per rank: torch.equal on a DTensor would be a collective
     if not other:
         with mock.patch.dict("os.environ", {"SURGERY_HANDSHAKE_TIMEOUT": "2"}):
-            out["shard_lora_alone"] = attempt(lambda _: shard_lora(model), None)
+            out["shard_lora_alone"] = attempt(lambda _: surgery.lora.shard_lora(model), None)
         out["shard_lora_alone"]["intact"] = all(
             id(p) == local[n][0] and torch.equal(p.to_local() if hasattr(p, "to_local") else p.detach(), local[n][1])
             for n, p in model.named_parameters())

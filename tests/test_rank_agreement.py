@@ -60,7 +60,7 @@ class Agreement(unittest.TestCase):
 
     def test_shard_lora_on_one_rank_raises_there_naming_the_other(self):
         alone = results()[0]["shard_lora_alone"]
-        self.assertRegex(alone["error"] or "", r"^surgery.shard_lora: rank 1 did not call surgery.shard_lora within 2 s "
+        self.assertRegex(alone["error"] or "", r"^surgery.lora.shard_lora: rank 1 did not call surgery.lora.shard_lora within 2 s "
                                                r"\(rank 0 did\)")
         self.assertLess(alone["seconds"], PROMPT_S)
         self.assertTrue(alone["intact"])
