@@ -72,7 +72,7 @@ MUTATIONS = [
         ["tests/test_bad_input.py::Refusals::test_accelerate_offloading_hooks",
          "tests/test_bad_input.py::AlreadySharded::test_accelerate_offloading_hooks_under_tensor_parallel"]),
     ("shard_lora: no handshake (a rank alone waits in the first broadcast)", "surgery/integration/lora_tp.py",
-        'agree(mesh, "shard_lora", check)', "check()",
+        'agree(mesh, "lora.shard_lora", lambda: _adapter_layers(model, styles))', "_adapter_layers(model, styles)",
         ["tests/test_rank_agreement.py::Agreement::test_shard_lora_on_one_rank_raises_there_naming_the_other"]),
     ("add_adapter: DoRA on a sharded model not refused (PEFT's mixed Tensor/DTensor error)",
         "surgery/integration/diffusers_hooks.py",
