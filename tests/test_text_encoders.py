@@ -17,7 +17,7 @@ from surgery.parallel.pipeline import pipeline_plan
 from surgery.testing import run_on_cpu_ranks
 from surgery.parallel.transformers_plans import STOCK_STYLES, stock_plan
 
-FP32_TOL, BF16_TOL = 1e-5, 3e-2
+from surgery.testing import BF16_TOL, FP32_TOL
 
 
 @functools.lru_cache(maxsize=None)
