@@ -29,7 +29,7 @@ def quantized(model):
 
 def run(rank: int, world: int, shared: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
-    family = surgery.families()["flux2"]
+    family = surgery.extend.families()["flux2"]
     pipe_cls = pipeline_class("Flux2Pipeline")
     config = family.test_configs["dev_small"]
     base = seeded_model(family, config, 0)

@@ -410,7 +410,7 @@ def quantized_plan(model: str | dict, tps, quant: str, *, family: Family | None 
     columns); allocates nothing and runs no forward.
     """
     from surgery.parallel.plans import planned_for
-    from surgery.parallel.tensor_parallel import linear_placements, validate
+    from surgery.parallel.plans import check_plan, linear_placements
 
     if quant not in QUANT_FORMATS:
         raise SurgeryError(f"surgery plan: --quant {quant!r} is not one of {', '.join(QUANT_FORMATS)}.")
@@ -438,7 +438,7 @@ def quantized_plan(model: str | dict, tps, quant: str, *, family: Family | None 
     rows = []
     for tp in tps:
         try:
-            validate(model, planned, tp)
+            check_plan(model, planned, tp)
         except SurgeryError as error:
             rows.append({"tp": tp, "bytes_per_rank": None, "refused": str(error).split(": ", 1)[-1]})
             continue
