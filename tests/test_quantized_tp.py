@@ -55,6 +55,18 @@ class QuantizeThenShard(unittest.TestCase):
                 self.assertIn(part, message)
 
 
+class OwnCopies(unittest.TestCase):
+    def test_each_rank_slices_its_own_quantized_copy(self):
+        for result in results():
+            self.assertLessEqual(result["src_data_rank=None"]["error"], FP32_TOL)
+
+    def test_ranks_holding_other_quantized_weights_are_refused(self):
+        for result in results():
+            message = result["src_data_rank=None"]["different weights"]
+            self.assertIsNotNone(message)
+            self.assertIn("weights", message)
+
+
 class ShardThenQuantize(unittest.TestCase):
     @parameterized.expand([(n,) for n in EXACT])
     def test_equals_whole_quantized_model(self, name):
