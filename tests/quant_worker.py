@@ -88,13 +88,14 @@ def run(rank: int, world: int) -> dict:
     # src_data_rank=0 replaces with rank 0's shards (quantized values included)
     mine = unfused if rank == 0 else surgery.unfuse(build(config, seed=1))
     result = {}
+    float_out = _forward(unfused, kw)
     for name, qconfig in configs().items():
         # every Linear (torchao's default), except for groups of 16, which the 24 input features of the context
         # embedder do not divide into
         quantize = functools.partial(quantize_all, filter_fn=in_blocks if "groups" in name else None)
         whole = quantize(copy.deepcopy(unfused), qconfig)
         expected = _forward(whole, kw)
-        row = {"whole_bytes": held_bytes(whole)}
+        row = {"whole_bytes": held_bytes(whole), "whole_vs_float": rel_err(expected, float_out)}
 
         before = quantize(copy.deepcopy(mine), qconfig)
         surgery.tensor_parallel(before, mesh)

@@ -21,6 +21,13 @@ def results() -> list[dict]:
 
 
 class QuantizeThenShard(unittest.TestCase):
+    @parameterized.expand([(n,) for n in [*EXACT, "int8_dynamic_activation"]])
+    def test_the_reference_is_quantized(self, name):
+        # the whole quantized model runs its quantized weights (its error against float is quantization's, far
+        # above float noise), so agreeing with it says the sharded model runs them too
+        for result in results():
+            self.assertGreater(result[name]["whole_vs_float"], 100 * FP32_TOL)
+
     @parameterized.expand([(n,) for n in EXACT])
     def test_equals_whole_quantized_model(self, name):
         for rank, result in enumerate(results()):
