@@ -88,13 +88,14 @@ def run(rank: int, world: int) -> dict:
     # src_data_rank=0 replaces with rank 0's shards (quantized values included)
     mine = unfused if rank == 0 else surgery.unfuse(build(config, seed=1))
     result = {}
+    float_out = _forward(unfused, kw)
     for name, qconfig in configs().items():
         # every Linear (torchao's default), except for groups of 16, which the 24 input features of the context
         # embedder do not divide into
         quantize = functools.partial(quantize_all, filter_fn=in_blocks if "groups" in name else None)
         whole = quantize(copy.deepcopy(unfused), qconfig)
         expected = _forward(whole, kw)
-        row = {"whole_bytes": held_bytes(whole)}
+        row = {"whole_bytes": held_bytes(whole), "whole_vs_float": rel_err(expected, float_out)}
 
         before = quantize(copy.deepcopy(mine), qconfig)
         surgery.tensor_parallel(before, mesh)
@@ -123,6 +124,7 @@ def run(rank: int, world: int) -> dict:
     result["int8_dynamic_activation"]["sensitivity"] = sensitivity(unfused, kw, configs()["int8_dynamic_activation"])
     result["dynamic_two_linears"] = two_linears(mesh, configs()["int8_dynamic_activation"])
     result["refusals"] = refusals(mesh, unfused)
+    result["src_data_rank=None"] = own_copies(mesh, unfused, mine, kw)
     from surgery.sight.report import quantized_plan
 
     for quant, measured in (("int8", "int8_weight_only"), ("fp8", "float8_weight_only")):
@@ -160,6 +162,27 @@ def two_linears(mesh, qconfig) -> float:
     surgery.tensor_parallel(model, mesh, plan={"0": ColwiseParallel(), "1": RowwiseParallel()})
     with torch.no_grad():
         return rel_err(model(x), expected)
+
+
+def own_copies(mesh, unfused, mine, kw) -> dict:
+    """`src_data_rank=None`: each rank slices its own quantized copy, no weight collective; ranks holding different
+    quantized weights are refused by the fingerprint before anything changes."""
+    qconfig = configs()["int8_weight_only"]
+    whole = quantize_all(copy.deepcopy(unfused), qconfig)
+    model = quantize_all(copy.deepcopy(unfused), qconfig)
+    surgery.tensor_parallel(model, mesh, src_data_rank=None)
+    out = {"error": rel_err(_forward(model, kw), _forward(whole, kw))}
+    different = quantize_all(copy.deepcopy(unfused), qconfig)
+    if torch.distributed.get_rank() == 1:  # one int8 value of one quantized weight differs, nothing else
+        with torch.no_grad():
+            qdata = different.transformer_blocks[0].attn.to_q.weight.qdata
+            qdata[0, 0] = qdata[0, 0] + (1 if qdata[0, 0] < 127 else -1)
+    try:
+        surgery.tensor_parallel(different, mesh, src_data_rank=None)
+        out["different weights"] = None
+    except SurgeryError as error:
+        out["different weights"] = str(error)
+    return out
 
 
 def refusals(mesh, unfused) -> dict:

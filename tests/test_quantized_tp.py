@@ -21,6 +21,13 @@ def results() -> list[dict]:
 
 
 class QuantizeThenShard(unittest.TestCase):
+    @parameterized.expand([(n,) for n in [*EXACT, "int8_dynamic_activation"]])
+    def test_the_reference_is_quantized(self, name):
+        # the whole quantized model runs its quantized weights (its error against float is quantization's, far
+        # above float noise), so agreeing with it says the sharded model runs them too
+        for result in results():
+            self.assertGreater(result[name]["whole_vs_float"], 100 * FP32_TOL)
+
     @parameterized.expand([(n,) for n in EXACT])
     def test_equals_whole_quantized_model(self, name):
         for rank, result in enumerate(results()):
@@ -53,6 +60,18 @@ class QuantizeThenShard(unittest.TestCase):
             self.assertIsNotNone(message)
             for part in ("transformer_blocks.0.ff.linear_out.weight", "blocks of 32", "160 columns", "shards of 80"):
                 self.assertIn(part, message)
+
+
+class OwnCopies(unittest.TestCase):
+    def test_each_rank_slices_its_own_quantized_copy(self):
+        for result in results():
+            self.assertLessEqual(result["src_data_rank=None"]["error"], FP32_TOL)
+
+    def test_ranks_holding_other_quantized_weights_are_refused(self):
+        for result in results():
+            message = result["src_data_rank=None"]["different weights"]
+            self.assertIsNotNone(message)
+            self.assertIn("weights", message)
 
 
 class ShardThenQuantize(unittest.TestCase):

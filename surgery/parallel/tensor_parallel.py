@@ -319,7 +319,8 @@ def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_da
 
     A scatter per parameter where the originals sit on the mesh's device (as torch's `distribute_tensor` does); one
     broadcast per shard where they sit elsewhere, so that only one shard at a time is moved to the device. The
-    ranks agreed on where their weights sit (the fingerprint), so they all take the same branch.
+    ranks agreed on where their weights sit (the fingerprint), so they all take the same branch. A quantized
+    weight's sharded inner tensors (values, per-row scales) are sent the same way, each cut from its original.
     """
     src = dist.get_global_rank(mesh.get_group(), src_data_rank)
     with torch.no_grad():
