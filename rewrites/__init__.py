@@ -1,6 +1,7 @@
 """The built-in model families, one module each; installed as `surgery_rewrites` (a name no other package takes).
 
-Each module exports `FAMILY`, a `surgery.extend.Family`; importing this package registers every one of them. `import surgery`
+Each module exports `FAMILY`, a `surgery.extend.Family` (or a table of derived families, `FAMILIES`); importing this package
+registers every one of them. `import surgery`
 does that, after the engine: the engine never imports a family.
 """
 
@@ -14,4 +15,6 @@ if __name__ != "surgery_rewrites":
                       "would register every family twice); `import surgery` loads them.")
 
 for _info in pkgutil.iter_modules(__path__):
-    register_family(importlib.import_module(f"{__name__}.{_info.name}").FAMILY)
+    _module = importlib.import_module(f"{__name__}.{_info.name}")
+    for _family in getattr(_module, "FAMILIES", None) or (_module.FAMILY,):  # a data table holds several
+        register_family(_family)

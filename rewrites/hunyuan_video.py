@@ -33,6 +33,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTokenReplaceSingleTransformerBlock,
     HunyuanVideoTokenReplaceTransformerBlock,
     HunyuanVideoTransformer3DModel,
+    HunyuanVideoTokenRefiner,
     HunyuanVideoTransformerBlock,
 )
 
@@ -184,6 +185,10 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     tp_checks=TP_CHECKS,
+    replicated={HunyuanVideoTokenRefiner: {
+        "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)",
+        "token_refiner.refiner_blocks.*.norm_out.linear": "adaLN modulation of the replicated conditioning embedding",
+    }},
     # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved
     # once); per token-refiner block: attention out + ff
     count_all_reduces=lambda config: 4 * config.get("num_layers", 20) + config.get("num_single_layers", 40)

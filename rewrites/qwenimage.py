@@ -18,6 +18,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
+    QwenImageTransformerBlock,
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
@@ -124,6 +125,9 @@ FAMILY = Family(
     example_inputs=example_inputs,
     tp_plans={Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN},
     tp_when={Attention: _splits_by_head_dim},
+    # as in diffusers' _tp_plan: each stream's modulation (SiLU, Linear) reads the replicated timestep embedding
+    replicated={QwenImageTransformerBlock: dict.fromkeys(("img_mod.1", "txt_mod.1"), "adaLN modulation of the "
+                                                         "replicated timestep embedding")},
     # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
     count_all_reduces=lambda config: 4 * config.get("num_layers", 60),
     test_configs=TEST_CONFIGS,

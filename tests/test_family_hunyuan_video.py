@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import conformance_worker as W
 import surgery
 from surgery.core.leaves import head_dim_twin
-from surgery.parallel.tensor_parallel import validate
+from surgery.parallel.plans import check_plan
 
 HunyuanVideoHeadDimAttnProcessor = head_dim_twin(HunyuanVideoAttnProcessor2_0)
 HunyuanVideoHeadDimRefinerAttnProcessor = head_dim_twin(AttnProcessor2_0)
@@ -102,7 +102,7 @@ class Processors(unittest.TestCase):
 
         model.single_transformer_blocks[0].attn.set_processor(HunyuanVideoAttnProcessor2_0())  # a stock one
         with self.assertRaisesRegex(surgery.SurgeryError, "still a fused"):  # sharding it would be wrong: refused
-            validate(model, [], 2)  # what tensor_parallel checks first
+            check_plan(model, [], 2)  # what tensor_parallel checks first
         surgery.unfuse(model)  # swaps just that processor
         self.assertIs(type(model.single_transformer_blocks[0].attn.processor), HunyuanVideoHeadDimAttnProcessor)
 

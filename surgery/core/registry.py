@@ -86,6 +86,9 @@ class Family:
     count_all_reduces: Callable[[dict], int] | None = None
     test_configs: dict[str, dict] = field(default_factory=dict)
     shrink_config: Callable[[dict], dict] | None = None
+    # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
+    # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
+    replicated: dict = field(default_factory=dict)
     # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
     # published pipeline holds besides its transformer (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
@@ -118,6 +121,7 @@ _tp_plans: dict[type[nn.Module] | str, dict] = {}
 _tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
 _tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
 _families: dict[str, Family] = {}
+_replicated: dict[type[nn.Module] | str, dict[str, str]] = {}
 
 
 def register(*rewrites: Rewrite) -> None:
@@ -152,6 +156,23 @@ def register_tp_plan(
         _tp_when[cls] = when
 
 
+def register_replicated(cls: type[nn.Module] | str, linears: dict[str, str]) -> None:
+    """Declare Linears of modules of exactly class `cls` whole on every rank on purpose: `{path relative to the
+    module (fnmatch pattern): the reason}`. `surgery.tensor_parallel` refuses a model whose transformer blocks hold a
+    Linear that neither a plan nor such a declaration covers. A reason says why the Linear's input and output are
+    whole on every rank (the conditioning embedding in, a modulation of the full-width hidden states out)."""
+    for pattern, reason in linears.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"{cls!r}: replicated Linear {pattern!r} needs its reason, a sentence.")
+    _replicated.setdefault(cls, {}).update(linears)
+
+
+def replicated_for(module: nn.Module) -> dict[str, str]:
+    """The Linears declared whole on every rank for `module`'s exact class (by class or qualified name)."""
+    cls = type(module)
+    return {**_replicated.get(qualified_name(cls), {}), **_replicated.get(cls, {})}
+
+
 def register_family(family: Family) -> None:
     """Register a model family: its descriptor, its rewrites and its tensor-parallel plans."""
     if family.name in _families:
@@ -160,6 +181,8 @@ def register_family(family: Family) -> None:
     register(*family.rewrites)
     for cls, plan in family.tp_plans.items():
         register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
+    for cls, linears in family.replicated.items():
+        register_replicated(cls, linears)
 
 
 def qualified_name(cls: type) -> str:

@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 
 from surgery.core.errors import SurgeryError
 
@@ -33,10 +35,13 @@ SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unsafe_split", "unsaf
 
 class CollectiveCounter(TorchDispatchMode):
     """Counts the work dispatched inside it: collectives (`c10d` and functional ops) and the bytes they carry, GEMMs,
-    copies (`cat`) and splits. A DTensor op is seen once, at the mode (its local op and redistributions run beneath).
+    copies (`cat`) and splits, as each rank runs them: the local ops beneath DTensor's (never the fake ones of its
+    shape propagation).
 
     Works where `CommDebugMode` does not (it crashes on FLUX.2 in torch 2.13). `counts` maps collective name to
-    calls; `ops` maps every other counted aten op (`mm`, `addmm`, `cat`, ...) to calls.
+    calls; `ops` maps every other counted aten op (`mm`, `addmm`, `cat`, ...) to calls. An op on DTensors is handed back
+    to DTensor first (as `CommDebugMode` does), so that the collectives DTensor inserts inside an op (a mean over a
+    sharded dim resolved by the next op) are counted too, not only those that the styles' hooks issue.
     """
 
     def __init__(self):
@@ -66,15 +71,24 @@ class CollectiveCounter(TorchDispatchMode):
         return {"gemm": self.gemms, "cat": self.cats, "split": self.splits, "collective": self.total}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         name = func.__name__.split(".")[0]
         if func.namespace in _COLLECTIVE_NAMESPACES and not name.startswith("_") and name != "wait_tensor":
             self.counts[name] += 1
             first = args[0] if args else None
             tensors = first if isinstance(first, (list, tuple)) else [first]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-        elif func.namespace == "aten" and (name in GEMMS or name in COPIES or name in SPLITS):
+        elif func.namespace == "aten" and (name in GEMMS or name in COPIES or name in SPLITS) and not _on_meta(args):
             self.ops[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _on_meta(args: tuple) -> bool:
+    """Whether an op runs on meta or fake tensors: DTensor's shape propagation, not work."""
+    first = args[0] if args else None
+    first = first[0] if isinstance(first, (list, tuple)) and first else first
+    return isinstance(first, FakeTensor) or (isinstance(first, torch.Tensor) and first.is_meta)
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
