@@ -2,7 +2,7 @@
 `apply_tensor_parallel`) of FLUX.2, eager and torch.compile; ms per forward, ratios, GEMMs / cats / all-reduces per
 forward and peak memory per rank.
 
-    torchrun --nproc-per-node 8 benchmarks/per_rank_work.py --device cuda --width klein-9b     # one node, TP 8
+    torchrun --nproc-per-node 8 benchmarks/per_rank_work.py --device cuda --width klein-9b  # one node, TP 8
     torchrun --nproc-per-node 2 benchmarks/per_rank_work.py --width dev --double 1 --single 2  # a slice of dev
     python benchmarks/per_rank_work.py --width klein-4b --double 1 --single 1 --tokens 64     # CPU, one process
 
@@ -12,8 +12,20 @@ in turn: `fused` and `unfused` whole on every rank, `surgery TP` (`surgery.unfus
 `packed TP` (diffusers' packed plan on the fused model) over all ranks. Timings are medians of `--repeat` runs after
 `--warmup`; ratios come from the same run. Rank 0 prints the table (and `--json` writes it).
 
-Latest CPU run (2 shared cores, torch 2.13.0+cpu, world 1, klein-4B width, 1 double + 1 single block, 64 image + 16
-text tokens, fp32): see the report in the issue-30 note; its counts are those of tests/test_work_per_rank.py.
+(`torchrun` is `python -m torch.distributed.run`.)
+
+Latest CPU run (2 cores shared with other jobs, torch 2.13.0+cpu, world 2 gloo, klein-4B width, 1 double + 1 single
+block, 32 image + 8 text tokens, fp32, 1 warm-up, median of 3): the counts hold on any machine, the times here are
+mostly the machine's load (the same model's ratio moved 0.78 -> 1.25 between eager and compiled).
+
+| form | GEMMs | cats | all-reduces | eager ms | compiled ms |
+|---|---|---|---|---|---|
+| fused | 23 | 17 | 0 | 1716 | 1403 |
+| unfused | 23 | 17 | 0 | 1345 | 1753 |
+| surgery TP | 23 | 17 | 5 | 765 | 597 |
+| packed TP | 23 | 17 | 5 | 978 | 873 |
+
+unfused / fused: 0.78 eager, 1.25 compiled; surgery TP / packed TP: 0.78 eager, 0.68 compiled.
 """
 
 from __future__ import annotations
