@@ -13,10 +13,15 @@ Built the drop-in way (`surgery.core.leaves`): every diffusers class and forward
 | `fuse_qkv_projections()`             | class only records that `fuse` restores `to_qkv` (no forward of its own) |
 
 No tensor-parallel plan exists for FLUX.3 in diffusers 0.42.1 (no `_tp_plan`) or elsewhere; the plans below are stock
-styles. Each block sums its attention and feed-forward outputs inside its own forward and then gates and adds the
-residual there (`hidden_states + mod_gate * (attn_output + ff_output)`), with no module boundary between the sum and
-the gate where one `PrepareModuleOutput` could resolve both partial sums at once: each of the two row-sharded output
-projections all-reduces, 2 per block.
+styles. Each block sums its attention and feed-forward outputs inside its own forward before gating them and adding
+the residual (`hidden_states + mod_gate * (attn_output + ff_output)`), so one all-reduce of that sum suffices. A
+mode block (called with positional tensors, also under gradient checkpointing) takes its tensor inputs as replicated
+DTensors (`PrepareModuleInputOutput`), both output projections leave partial sums
+(`RowwiseParallel(output_layouts=Partial())`), DTensor carries the sum through the gate and the residual, and the
+block's output is resolved once: 1 all-reduce per mode block instead of 2. The joint single block is called with
+keyword arguments in inference and positionally under gradient checkpointing, which no one stock input style covers,
+and its output is two tensors (text and image tokens) that a block-level resolution would all-reduce separately: it
+keeps one all-reduce per output projection, 2 per single block.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ from diffusers.models.transformers.transformer_flux3 import (
     Flux3Attention,
     Flux3AttnProcessor,
     Flux3FeedForward,
+    Flux3ModeTransformerBlock,
     Flux3Transformer2DModel,
 )
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
 from surgery.extend import (
@@ -43,6 +50,7 @@ from surgery.extend import (
     rows,
     swap_rewrite,
     translate,
+    under,
 )
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
@@ -118,8 +126,24 @@ FEED_FORWARD_TP_PLAN = {
     "linear_out": RowwiseParallel(),
 }
 
-# The attention: the shared plan, heads split across ranks; the output projection all-reduces once.
+PARTIAL = dict(output_layouts=Partial(), use_local_output=False)
+
+# A mode block, whole: attention and feed-forward as above, but both output projections leave partial sums, which
+# DTensor carries through `mod_gate * (attn + ff)` and the residual to the block's output, resolved there once.
+# Inputs: (hidden_states, temb_mod, image_rotary_emb), positional; the rotary tables stay plain (the processor reads
+# them beside the local q/k).
+MODE_BLOCK_TP_PLAN = {
+    **under("attn", {**ATTENTION_TP_PLAN, "to_out.0": RowwiseParallel(**PARTIAL)}),
+    **under("ff", {**FEED_FORWARD_TP_PLAN, "linear_out": RowwiseParallel(**PARTIAL)}),
+    "": PrepareModuleInputOutput(
+        input_layouts=(Replicate(), Replicate(), None), desired_input_layouts=(Replicate(), Replicate(), None),
+        use_local_input=False, output_layouts=Partial(), desired_output_layouts=Replicate(), use_local_output=True,
+    ),
+}
+
+# The attention (in the single blocks): the shared plan, heads split across ranks; the output projection all-reduces.
 TP_PLANS = {
+    Flux3ModeTransformerBlock: MODE_BLOCK_TP_PLAN,
     Flux3Attention: ATTENTION_TP_PLAN,
     Flux3SplitQKVAttention: ATTENTION_TP_PLAN,
     Flux3FeedForward: FEED_FORWARD_TP_PLAN,
@@ -211,9 +235,9 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     tp_when=TP_WHEN,
-    # per block (text-, image- and reference-image-mode blocks, as example_inputs passes reference tokens; joint
-    # single blocks): attention out + feed-forward out. Without reference tokens: 2 * (2 * num_layers + single).
-    count_all_reduces=lambda config: 2 * (3 * config.get("num_layers", 5) + config.get("num_single_layers", 28)),
+    # 1 per mode block (text-, image- and reference-image-mode blocks, as example_inputs passes reference tokens), 2
+    # per joint single block (attention out, feed-forward out). Without reference tokens: 2 * num_layers + 2 * single.
+    count_all_reduces=lambda config: 3 * config.get("num_layers", 5) + 2 * config.get("num_single_layers", 28),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
 )

@@ -104,6 +104,15 @@ class PerRank(unittest.TestCase):
                 self.assertEqual(work(r["surgery_tp"]), work(r["packed_tp"]), f"rank {rank}")
                 self.assertEqual(r["surgery_tp"]["collective"], r["packed_tp"]["collective"], f"rank {rank}")
 
+    def test_fewest_all_reduces(self):
+        # FLUX.2 and FLUX.1: 4 per double block (one per rowwise output projection of each stream's attention and
+        # feed-forward), 1 per single block (attention + MLP summed in one projection); FLUX.3: 1 per mode block
+        # (attention + feed-forward summed before the gate), 2 per joint single block (see rewrites/flux3.py)
+        expected = {"flux2": 4 * 2 + 3, "flux1": 4 * 1 + 2, "flux3": 1 * 3 + 2 * 2}
+        for rank, result in enumerate(self.ranks):
+            for family, count in expected.items():
+                self.assertEqual(result[family]["surgery_tp"]["collective"], count, f"{family}, rank {rank}")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -18,12 +18,14 @@ T = TypeVar("T")
 def outermost(model: nn.Module, match: Callable[[nn.Module], T | None]) -> list[tuple[str, nn.Module, T]]:
     """`(path, module, match(module))` for each module that `match` accepts, skipping those nested in one already found."""
     found: list[tuple[str, nn.Module, T]] = []
+    inside: str | None = None  # the last module found: named_modules() lists its descendants right after it
     for path, module in model.named_modules():
-        if any(p == "" or path == p or path.startswith(p + ".") for p, _, _ in found):
+        if inside is not None and (inside == "" or path.startswith(inside + ".")):
             continue
         hit = match(module)
         if hit is not None:
             found.append((path, module, hit))
+            inside = path
     return found
 
 

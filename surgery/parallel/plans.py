@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -439,13 +440,27 @@ _STYLE_DEFAULTS = {
     PrepareModuleInput: {"input_layouts": None, "desired_input_layouts": None, "input_kwarg_layouts": None,
                          "desired_input_kwarg_layouts": None, "use_local_output": False},
     PrepareModuleOutput: {"output_layouts": _REQUIRED, "desired_output_layouts": _REQUIRED, "use_local_output": True},
+    PrepareModuleInputOutput: {"input_layouts": None, "desired_input_layouts": None, "input_kwarg_layouts": None,
+                               "desired_input_kwarg_layouts": None, "use_local_input": False,
+                               "output_layouts": _REQUIRED, "desired_output_layouts": _REQUIRED,
+                               "use_local_output": True},
 }
+
+
+def style_state(style: ParallelStyle) -> dict:
+    """What a style's `__init__` stored, the styles it composes (`PrepareModuleInputOutput`) by their own state."""
+    return {k: style_state(v) if isinstance(v, ParallelStyle) else v for k, v in vars(style).items()}
 
 
 def _argument(style: ParallelStyle, name: str):
     """An init argument of a stock style, read back from what its `__init__` stored."""
     if name == "sequence_dim":
         return style.sequence_sharding[0].dim
+    if isinstance(style, PrepareModuleInputOutput):  # its arguments live on the two styles it composes
+        if name == "use_local_input":
+            return style.prepare_module_input.use_local_output
+        part = style.prepare_module_output if name in _STYLE_DEFAULTS[PrepareModuleOutput] else style.prepare_module_input
+        return _argument(part, name)
     value = getattr(style, name)
     if isinstance(value, tuple) and len(value) == 1 and isinstance(value[0], Placement):
         return value[0]
@@ -479,7 +494,7 @@ def style_source(style: ParallelStyle) -> str:
     arguments = {name: _argument(style, name) for name in defaults}
     arguments = {name: value for name, value in arguments.items()
                  if defaults[name] is _REQUIRED or type(value) is not type(defaults[name]) or value != defaults[name]}
-    if vars(cls(**arguments)) != vars(style):
+    if style_state(cls(**arguments)) != style_state(style):
         raise SurgeryError(f"surgery: this {cls.__name__} has no literal form here ({vars(style)}).")
     return f"{cls.__name__}({', '.join(f'{name}={_source(value)}' for name, value in arguments.items())})"
 
