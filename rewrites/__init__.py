@@ -1,13 +1,14 @@
 """The built-in model families, one module each; installed as `surgery_rewrites` (a name no other package takes).
 
-Each module exports `FAMILY`, a `surgery.Family` (a table of derived families, `FAMILIES`); importing this package registers every one of them. `import surgery`
+Each module exports `FAMILY`, a `surgery.extend.Family` (a table of derived families exports `FAMILIES`);
+importing this package registers every one of them. `import surgery`
 does that, after the engine: the engine never imports a family.
 """
 
 import importlib
 import pkgutil
 
-from surgery.core.registry import register_family
+from surgery.extend import register_family
 
 if __name__ != "surgery_rewrites":
     raise ImportError(f"the built-in families are the package `surgery_rewrites`, not {__name__!r} (importing both "

@@ -1,4 +1,4 @@
-"""Families derived from diffusers' building blocks (`surgery.parallel.families.derived_family`): one row per model
+"""Families derived from diffusers' building blocks (`surgery.extend.derived_family`): one row per model
 class, data only: published configs with their source, tiny test configs, example inputs.
 
 Their rewrites (head-dim twins of the attention processors, elementwise q/k RMS norms) and their plans (q/k/v
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 
-from surgery.parallel.families import derived_family
+from surgery.extend import derived_family
 from surgery_rewrites.hunyuan_video import video_grid
 
 

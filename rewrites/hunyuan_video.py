@@ -38,10 +38,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.checks import mesh_sizes_dividing
-from surgery.core.leaves import Processors, columns, swap_rewrite
-from surgery.core.registry import Family
+from surgery.extend import Family, Processors, SurgeryError, columns, mesh_sizes_dividing, swap_rewrite
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))
@@ -198,5 +195,4 @@ FAMILY = Family(
     + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
-    aliases={"hunyuan-video": "t2v"},  # `--model hunyuan-video`: the text-to-video model
 )

@@ -32,10 +32,18 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.core.leaves import Processors, recast, register_edits, rows, twin, under
-from surgery.core.registry import Family, Rewrite
-from surgery.core.slicing import row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.extend import (
+    SPLIT_PROJECTION_TP_PLAN,
+    Family,
+    Processors,
+    Rewrite,
+    recast,
+    register_edits,
+    row_slices,
+    rows,
+    twin,
+    under,
+)
 
 # its gated MLP is split by the global widths: halves of whatever width the rank holds instead
 register_edits(OvisImageSingleTransformerBlock, "forward", (

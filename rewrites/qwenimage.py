@@ -22,9 +22,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin
-from surgery.core.registry import Family
+from surgery.extend import Family, SurgeryError, runs_twin
 
 # diffusers' generic `Attention` as QwenImage's double-stream block builds it takes the shared double-stream plan
 # (rewrites/diffusers_common.py): heads split across ranks, one all-reduce per output projection (image and text).

@@ -182,7 +182,7 @@ class InputErrorsAreOneClearLine(unittest.TestCase):
                 (Path(tmp) / "src" / "config.json").write_text(json.dumps({"_class_name": name}))
                 with self.assertRaisesRegex(surgery.SurgeryError, rf"names _class_name {name!r}, which is {what}\. "
                                                                   "Pass a diffusers model folder"):
-                    surgery.convert_checkpoint(Path(tmp) / "src", Path(tmp) / "out")
+                    surgery.state_dict.convert_checkpoint(Path(tmp) / "src", Path(tmp) / "out")
                 stderr = io.StringIO()
                 with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit):
                     main(["convert", str(Path(tmp) / "src"), str(Path(tmp) / "out")])

@@ -24,7 +24,7 @@ import surgery
 from surgery.core import registry
 from surgery.parallel import plans
 from surgery.parallel.distributed import fake_process_group
-from surgery.parallel.tensor_parallel import checked_plan
+from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.

@@ -22,7 +22,7 @@ def _owner(key: str):
 
 class Drift(unittest.TestCase):
     def test_every_edit_fits_the_installed_source_exactly(self):
-        surgery.registered()  # builds every family's twins
+        surgery.core.registry.registered()  # builds every family's twins
         keys = {**leaves.EDITS, **{f"{leaves.qualified(stock)}.{'__call__' if '__call__' in vars(twin) else 'forward'}":
                                    None for stock, twin in leaves._twins.items()}}
         for key in keys:
@@ -40,7 +40,7 @@ class Drift(unittest.TestCase):
             self.assertNotEqual(edited, source, key)
 
     def test_every_twin_in_use_is_built_from_the_rule_or_a_listed_edit(self):
-        surgery.registered()
+        surgery.core.registry.registered()
         for stock, twin in leaves._twins.items():
             method = "__call__" if "__call__" in vars(twin) else "forward"
             self.assertIsNotNone(leaves.edits_for(stock, method), leaves.qualified(stock))

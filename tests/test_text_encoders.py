@@ -125,7 +125,7 @@ class PipelinePlan(unittest.TestCase):
         from surgery.core.registry import model_names
 
         names = set(model_names())
-        for family in surgery.families().values():
+        for family in surgery.extend.families().values():
             for key in family.pipelines:
                 with self.subTest(key=key):
                     self.assertIn(key, names)

@@ -222,7 +222,7 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
 
 def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upcast_before_saving: bool = False,
                        safe_serialization: bool = True, weight_name: str | None = None):
-    """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.stock_lora_adapter`)."""
+    """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.lora.stock_lora_adapter`)."""
 
 
 
@@ -245,7 +245,7 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
 
 def stock_targets(model: nn.Module, target_modules):
     """A `target_modules` as stock diffusers reads it, for `model`'s unfused modules: the stock Linears it selects
-    (a fused one as its parts, `surgery.lora_target_modules`) plus any unfused part named in full, as one regex of
+    (a fused one as its parts, `surgery.lora.lora_target_modules`) plus any unfused part named in full, as one regex of
     full names. None where that
     selects nothing (PEFT then raises its own error) or for PEFT's "all-linear" shorthand (the same on both forms).
 

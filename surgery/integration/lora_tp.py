@@ -161,7 +161,7 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     styles = linear_styles(model)
     mesh = mesh if mesh is not None else tp_mesh(model, styles)
     if mesh is None:
-        raise SurgeryError("surgery.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
+        raise SurgeryError("surgery.lora.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
                            "first (then add the adapters, then shard_lora).")
     for path, style in styles.items():
         layer = model.get_submodule(path)
@@ -169,7 +169,7 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
             continue
         for name in layer.lora_A:
             if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
-                raise SurgeryError(f"surgery.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight norm "
+                raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight norm "
                                    "needs the whole base weight, which a sharded Linear does not hold.")
             lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
     return model
@@ -512,7 +512,7 @@ class _World:
 def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_serialization: bool,
                  weight_name: str | None) -> None:
     """`save_lora_adapter` on a tensor-parallel model: every rank calls it; the factors are gathered one at a time
-    (`surgery.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
+    (`surgery.lora.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
     (`surgery.io.atomic.staged_folder`; other files in the folder are kept), and every rank returns once it is written
     or raises the same error."""
 

@@ -9,6 +9,7 @@ stock styles and plans back as the Python a user would type.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from fnmatch import fnmatchcase
 from typing import Callable
@@ -24,10 +25,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import replicated_for, tp_plan_for
+from surgery.core.registry import replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
-from surgery.parallel.derive import Refused, check_derived_heads, derived, per_head_norm  # noqa: F401 (per_head_norm: its home for families)
+from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel.derive import per_head_norm  # noqa: F401 (defined beside the other derived styles)
+from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
 
 Planned = list[tuple[str, nn.Module, dict]]
@@ -341,6 +345,82 @@ def effective_plan(model: nn.Module, path: str | None = None, *, plan: dict | No
         raise SurgeryError(f"surgery.effective_plan: {type(model).__name__} has no module '{path}'.")
     return {key[len(path):].lstrip("."): style for key, style in flat.items()
             if not path or key == path or key.startswith(path + ".")}
+
+
+# --- building and checking the plan a verb applies ---------------------------------------------------------------
+
+def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> dict[str, tuple] | None:
+    """How a stock linear style places a Linear's parameters (`None` for styles that place none); for an
+    `nn.Embedding` (`module`), as the stock styles place its `[num_embeddings, dim]` weight: colwise shards the
+    embedding dim, rowwise the vocabulary."""
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": (Shard(1 if embedding else 0),), "bias": (Shard(0),)}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": (Shard(0 if embedding else 1),), "bias": (Replicate(),)}
+    return None
+
+
+def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
+    """Every check of a plan against the model and a mesh of `world` ranks, before anything changes."""
+    check_unfused(model)
+    if not planned:
+        known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
+            f"(known: {', '.join(known)}). Register one with surgery.core.registry.register_tp_plan."
+        )
+    check_model(model, "tensor_parallel")
+    check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
+    for path, module, plan in planned:
+        registered, check = tp_plan_for(module)
+        if registered is None and check is None and is_attention(module):
+            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
+        check = check or transformers_check_heads
+        if check is not None:
+            check(module, path, world)
+        heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % world:
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
+                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+            )
+        for key, style in plan.items():
+            linear = module.get_submodule(key)
+            placements = linear_placements(style, linear)
+            if placements is None:
+                continue
+            linear_path = f"{path}.{key}" if path else key
+            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
+            check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
+            dim = placements["weight"][0].dim
+            size = linear.weight.shape[dim]
+            if size % world:
+                what = "output features" if dim == 0 else "input features"
+                raise SurgeryError(
+                    f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
+                    f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
+                )
+
+
+def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
+    """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
+    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks."""
+    planned = planned_for(model, plan, filter_fn)
+    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+    # owners are
+    check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must too
+        check_coverage(model, planned)
+    return planned
+
+
+def plan_digest(planned: Planned) -> str:
+    """A short digest of what `planned` shards and how, for the ranks to compare before sharding."""
+    entries = [(path, key, f"{type(style).__qualname__} {sorted(vars(style).items())!r}")
+               for path, _, plan in planned for key, style in plan.items()]
+    digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).hexdigest()
+    return f"{len(entries)} planned modules, digest {digest}"
 
 
 # --- plans as literals -----------------------------------------------------------------------------------------------
