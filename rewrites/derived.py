@@ -9,6 +9,7 @@ all-reduce count.
 from __future__ import annotations
 
 import torch
+from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 
 from surgery.extend import derived_family
@@ -56,5 +57,20 @@ FAMILIES = (
         default_variant="t2v-14b",
         example_inputs=wan_inputs,
         test_configs={"tiny": _WAN_TINY, "tiny_i2v": {**_WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}},
+    ),
+    derived_family(
+        "skyreels-v2", SkyReelsV2Transformer3DModel, attention=(SkyReelsV2Attention,),
+        variants={
+            "df-1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30,
+                        "inject_sample_info": True},
+            "t2v-14b": {**_WAN, "ffn_dim": 13824, "in_channels": 16, "num_attention_heads": 40, "num_layers": 40},
+            "i2v-1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 36, "num_attention_heads": 12, "num_layers": 30,
+                         "image_dim": 1280, "added_kv_proj_dim": 1536},
+        },
+        sources="diffusers scripts/convert_skyreelsv2_to_diffusers.py (SkyReels-V2-DF-1.3B-540P, "
+        "SkyReels-V2-T2V-14B-720P, SkyReels-V2-I2V-1.3B-540P)",
+        default_variant="t2v-14b",
+        example_inputs=wan_inputs,
+        test_configs={"tiny": _WAN_TINY},
     ),
 )

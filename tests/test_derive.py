@@ -15,7 +15,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
+from surgery.app import coverage
 from surgery.core.registry import model_class, tp_plan_for
+from surgery.parallel.families import all_reduces
+from surgery.parallel.plans import planned_for, transformer_blocks
 from surgery.parallel.derive import (
     AcrossHeadsNorm,
     Refused,
@@ -26,7 +29,6 @@ from surgery.parallel.derive import (
     projection_plan,
     single_stream_parts,
 )
-from surgery.parallel.plans import transformer_blocks
 
 STOCK = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
@@ -109,3 +111,22 @@ class Refusals(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class AllReducesAndTheFamiliesPage(unittest.TestCase):
+    @parameterized.expand([(f.name,) for f in W.conformant_families()])
+    def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
+        # the hand-written families' counts (lambdas over the config) are independent of `all_reduces`
+        family = W.families()[family_name]
+        for config in family.test_configs.values():
+            with torch.device("meta"):  # the class as is: a test config may lie outside the published range
+                model = surgery.extend.unfuse(model_class(family)(**config))
+            read = sum(all_reduces(style) for _, _, plan in planned_for(model) for style in plan.values())
+            self.assertEqual(read, family.count_all_reduces(config))
+
+    def test_the_families_page_rows_of_registered_families_are_current(self):
+        page = coverage.DOC.read_text()
+        for family in W.conformant_families():
+            row = coverage.table([coverage.class_status(model_class(family))]).splitlines()[-1]
+            self.assertIn(row, page, "run `python -m surgery.app.coverage`")
+            self.assertIn("| sharded |", row)

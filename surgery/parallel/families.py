@@ -3,6 +3,8 @@ example inputs; its rewrites, plans and all-reduce count are derived (`surgery.p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
@@ -22,8 +24,10 @@ def attention_rewrite(cls: type[nn.Module]) -> Rewrite | None:
     processors = tuple(p for p in getattr(cls, "_available_processors", ()) if rule_edits(p) is not None)
     if not processors:
         return None
-    return swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
-                        children=dict.fromkeys(QK_NORMS, elementwise_norm))
+    rewrite = swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
+                           children=dict.fromkeys(QK_NORMS, elementwise_norm))
+    # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
+    return replace(rewrite, in_checkpoints=False)
 
 
 def derived_all_reduces(family: Family, config: dict) -> int:
