@@ -29,7 +29,7 @@ from surgery.core.leaves import (
     twin,
     under,
 )
-from surgery.core.registry import Family, Rewrite, families, family_of, register_family, register_replicated
+from surgery.core.registry import Family, Rewrite, families, family_of, register_family, register_refused, register_replicated
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection, SplitRows
@@ -38,7 +38,7 @@ from surgery.parallel.plans import per_head_norm
 
 __all__ = [
     # describing a family
-    "Family", "register_family", "families", "family_of", "build", "derived_family", "register_replicated",
+    "Family", "register_family", "families", "family_of", "build", "derived_family", "register_replicated", "register_refused",
     # rewrites: a leaf swapped inside the stock class, or a class of its own
     "Rewrite", "swap_rewrite", "Leaf", "rows", "columns", "Processors", "twin", "runs_twin", "translate", "recast",
     "register_edits",

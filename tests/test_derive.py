@@ -130,3 +130,21 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
             row = coverage.table([coverage.class_status(model_class(family))]).splitlines()[-1]
             self.assertIn(row, page, "run `python -m surgery.app.coverage`")
             self.assertIn("| sharded |", row)
+
+    def test_surgery_families_prints_a_row_per_class(self):
+        import contextlib
+        import io
+        from unittest import mock
+
+        from surgery.app import cli
+
+        classes = [diffusers.WanTransformer3DModel, diffusers.SD3Transformer2DModel]
+        out = io.StringIO()
+        with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
+            self.assertEqual(cli.main(["families"]), 0)
+        rows = out.getvalue().splitlines()
+        wan = W.families()["wan"]
+        self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
+        self.assertTrue(rows[3].startswith("| SD3Transformer2DModel |  | refused | 'transformer_blocks.0.attn.to_q'"),
+                        rows[3])
+        self.assertIn("JointAttnProcessor2_0", rows[3])

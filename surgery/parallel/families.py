@@ -3,6 +3,7 @@ example inputs; its rewrites, plans and all-reduce count are derived (`surgery.p
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch.nn as nn
@@ -17,6 +18,7 @@ from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
 from surgery.parallel.plans import planned_for
 
 
+@functools.cache  # one rewrite per class, shared by the families that hold it
 def attention_rewrite(cls: type[nn.Module]) -> Rewrite | None:
     """The unfuse rewrite a diffusers attention class needs for its derived plan: its processors that reshape by the
     stored head count run their head-dim twins (the processor rule), and its `torch.nn.RMSNorm` q/k norms compute in
