@@ -1,7 +1,7 @@
 """The built-in model families, one module each; installed as `surgery_rewrites` (a name no other package takes).
 
-Each module exports `FAMILY`, a `surgery.extend.Family` (a table of derived families exports `FAMILIES`);
-importing this package registers every one of them. `import surgery`
+Each module exports `FAMILY`, a `surgery.extend.Family` (or a table of derived families, `FAMILIES`); importing this package
+registers every one of them. `import surgery`
 does that, after the engine: the engine never imports a family.
 """
 

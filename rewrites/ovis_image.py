@@ -33,16 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.extend import (
-    SPLIT_PROJECTION_TP_PLAN,
-    Family,
-    Processors,
-    Rewrite,
-    recast,
-    register_edits,
-    row_slices,
-    rows,
-    twin,
-    under,
+    Family, Processors, Rewrite, SPLIT_PROJECTION_TP_PLAN, recast, register_edits, row_slices, rows, twin, under,
 )
 
 # its gated MLP is split by the global widths: halves of whatever width the rank holds instead

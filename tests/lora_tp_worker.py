@@ -241,6 +241,8 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
                                                                else data)
     out["refuse: corrupt file (on rank 0 only)"] = refused(model, lambda: model.load_lora_adapter(corrupt,
                                                                                                  adapter_name="c"))
+    out["refuse: DoRA"] = refused(model, lambda: model.add_adapter(
+        LoraConfig(r=2, lora_alpha=2, target_modules=two_targets, use_dora=True), adapter_name="d"))
     out["refusals left the adapter working"] = rel_err(forward(model, kw), expected["one"])
     return out
 

@@ -224,6 +224,47 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
             surgery.lora.lora_target_modules(unfused, ["to_nothing"])
 
 
+class AdapterWhosePartsScaleDifferently(unittest.TestCase):
+    """An adapter trained on the unfused model whose parts of one stock module have their own alpha or rank, or use
+    rsLoRA (alpha / sqrt(r)), published with `stock_lora_adapter`: the stock model that loads it gives the same
+    output. The parts' scales are what the stock file must carry (in alpha_pattern or folded into lora_B)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.config = small_config("klein9b_small")
+        cls.base = build(cls.config, 3)
+        cls.kw = inputs(cls.config, 3)
+
+    def published_and_reloaded(self, **lora):
+        from surgery.integration.lora import lora_target_modules, stock_lora_adapter
+
+        unfused = surgery.unfuse(copy.deepcopy(self.base))
+        add_random_adapter(unfused, "x", 5, targets=lora_target_modules(unfused, STOCK_TARGETS), **lora)
+        layers, metadata = stock_lora_adapter(unfused, "x")
+        folder = Path(tempfile.mkdtemp(prefix="surgery-lora-"))
+        try:
+            Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=layers,
+                                            transformer_lora_adapter_metadata=metadata)
+            stock = copy.deepcopy(self.base)
+            load_like_a_pipeline(stock, folder, "x")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.assertIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj", stock.peft_config["x"].target_modules)
+        # the adapter moves the output well beyond the tolerance, so a wrong scale cannot hide
+        self.assertGreater(rel_err(forward(unfused, self.kw), forward(self.base, self.kw)), 1e-2)
+        self.assertLessEqual(rel_err(forward(stock, self.kw), forward(unfused, self.kw)), FP32_TOL)
+
+    def test_parts_with_their_own_alpha(self):
+        # the single block's q and the double block's to_k differ from their siblings in one fused module each
+        self.published_and_reloaded(alpha_pattern={"to_qkv_mlp_proj.q": 32, "attn.to_k": 2})
+
+    def test_parts_with_their_own_rank(self):
+        self.published_and_reloaded(rank_pattern={"to_qkv_mlp_proj.gate": 2, "attn.to_v": 6})
+
+    def test_rslora(self):
+        self.published_and_reloaded(use_rslora=True, rank=16, alpha=8)
+
+
 class SplitFunction(unittest.TestCase):
     def setUp(self):
         self.base = build(small_config("klein4b_small"), 0)

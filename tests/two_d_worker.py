@@ -224,7 +224,7 @@ def check_lora(mesh) -> dict:
     ref_grads, ref_params = train_step(reference, kw, target, torch.optim.SGD, lr=0.1)
 
     # PEFT sizes the factors to the base weights' local shards here (their mesh has dim names): set_lora_local gives
-    # each rank its shards of the same full-size factors; surgery.lora.shard_lora lays them out (no collective)
+    # each rank its shards of the same full-size factors; surgery.lora.shard_lora lays them out (no broadcast)
     model = set_lora_local(add_lora(surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"]), factors), factors,
                            mesh["tp"])
     surgery.lora.shard_lora(model, mesh["tp"], src_data_rank=None)

@@ -275,6 +275,12 @@ def stock_targets(model: nn.Module, target_modules):
 def _add_adapter(self, adapter_config, adapter_name: str = "default"):
     """diffusers' `add_adapter`, with `target_modules` selecting the layers it selects on the stock model."""
 
+    if getattr(adapter_config, "use_dora", False) and any(
+            hasattr(p, "device_mesh") for p in self.parameters()):  # a DTensor: sharded by surgery.tensor_parallel
+        raise SurgeryError(
+            f"{type(self).__name__}.add_adapter: DoRA is not supported on a sharded model; its weight norm needs each "
+            "whole base weight, which no rank holds. Add the DoRA adapter before surgery.tensor_parallel and merge it "
+            "(`fuse_lora()` / peft's `merge_and_unload()`), or use plain LoRA (use_dora=False) on the sharded model.")
     targets = stock_targets(self, getattr(adapter_config, "target_modules", None))
     if targets is not None:
         adapter_config = copy.copy(adapter_config)

@@ -154,7 +154,8 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     factors, as `tensor_parallel` does for weights (PEFT draws `lora_A` at random on each rank); None keeps each
     rank's own (identical, e.g. seeded) factors with no collective. `mesh` defaults to the mesh of the base weights.
     Layers already laid out (adapters loaded with `load_lora_adapter` on the sharded model) are left as they are.
-    Calling it on every rank is required when `src_data_rank` is not None (it broadcasts).
+    Every rank calls it at the same point: a rank whose peers do not call it raises after the handshake timeout
+    (`SURGERY_HANDSHAKE_TIMEOUT`), naming them, and a refusal on any rank raises on every rank before anything moves.
     """
     from peft.tuners.lora import LoraLayer  # lazy: peft is optional
 
@@ -163,15 +164,23 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     if mesh is None:
         raise SurgeryError("surgery.lora.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
                            "first (then add the adapters, then shard_lora).")
-    for path, style in styles.items():
-        layer = model.get_submodule(path)
-        if not isinstance(layer, LoraLayer):
-            continue
-        for name in layer.lora_A:
-            if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
-                raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight norm "
-                                   "needs the whole base weight, which a sharded Linear does not hold.")
-            lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
+
+    def check() -> list:
+        todo = []
+        for path, style in styles.items():
+            layer = model.get_submodule(path)
+            if not isinstance(layer, LoraLayer):
+                continue
+            for name in layer.lora_A:
+                if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
+                    raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight "
+                                       "norm needs the whole base weight, which a sharded Linear does not hold.")
+                todo.append((layer, name, style))
+        return todo
+
+    # every rank first (a rank alone would wait in the first broadcast forever): the handshake names a missing rank
+    for layer, name, style in agree(mesh, "lora.shard_lora", check):
+        lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
     return model
 
 

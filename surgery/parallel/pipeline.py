@@ -70,7 +70,7 @@ def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_r
         reason = _no_plan_reason(model)
     else:
         try:
-            checked_plan(model, None, None, mesh.size())
+            checked_plan(model, None, None, mesh.size())  # the checks tensor_parallel makes, coverage included
         except SurgeryError as error:
             if required:
                 raise

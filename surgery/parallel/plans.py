@@ -30,7 +30,6 @@ from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
-from surgery.parallel.derive import per_head_norm  # noqa: F401 (defined beside the other derived styles)
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
 
@@ -307,7 +306,7 @@ def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_paral
     raise SurgeryError(
         f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan{why}: "
         f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
-        "every rank, a half-sharded model. Register a plan for its module (surgery.register_tp_plan), declare it "
+        "every rank, a half-sharded model. Register a plan for its module (surgery.core.registry.register_tp_plan), declare it "
         "replicated on purpose with its reason (surgery.core.registry.register_replicated), or pass plan= / "
         "filter_fn= to shard only what you name."
     )
