@@ -252,7 +252,9 @@ class TensorParallel(unittest.TestCase):
 
 
 class Convert(unittest.TestCase):
-    @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
+    # families whose checkpoints differ between the layouts (a processor swap alone leaves every key as it is)
+    @parameterized.expand([c for c in TP_CASES if any(r.in_checkpoints for r in W.families()[c[0]].rewrites)],
+                          name_func=_name)
     def test_round_trip_through_the_unfused_layout_is_bitwise(self, family_name, config_name):
         source = Path(fused_checkpoint(family_name, config_name))
         family = surgery.extend.families()[family_name]

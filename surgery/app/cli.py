@@ -8,6 +8,7 @@ import sys
 import textwrap
 import torch
 
+from surgery.app import coverage
 from surgery.app.demo import demo_config, run
 from surgery.core.build import check_config, model_on_meta
 from surgery.core.errors import SurgeryError
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _inspect_command(commands, epilog)
     _explore_command(commands, epilog)
     _convert_command(commands, epilog)
+    _families_command(commands)
     return parser
 
 
@@ -199,6 +201,18 @@ def _convert_command(commands, epilog: str) -> None:
                          help="replace a checkpoint already in DST (other files there are kept)")
 
 
+def _families_command(commands) -> None:
+    """`surgery families`: every diffusers transformer class, sharded or refused."""
+    listing = commands.add_parser(
+        "families", formatter_class=_Formatter,
+        help="every diffusers transformer class: sharded (all-reduces per forward) or refused (the reason)",
+        description="Builds each class of diffusers.models.transformers on meta (its family's default published "
+        "config, else the class's defaults), unfuses it and plans it for 2 ranks as tensor_parallel does; prints "
+        "one row per class (docs/families.md is this table). Takes about a minute.",
+    )
+    listing.add_argument("--world", type=_positive, default=2, help="ranks to plan for (default 2)")
+
+
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--model", type=_model, default="flux2-klein-9b", metavar="MODEL",
@@ -263,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             return _plan_or_inspect(args)
         if args.command == "demo":
             return _demo(parser, args)
+        if args.command == "families":
+            print(coverage.table([coverage.class_status(cls, args.world) for cls in coverage.transformer_classes()]))
+            return 0
         if args.command == "convert":
             written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
                                          max_shard_size=args.max_shard_size, variant=args.variant)

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.parallel import quantized as quant
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import replicated_for, tp_plan_for, tp_plans
+from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
 from surgery.parallel import quantized as quant
@@ -366,6 +366,9 @@ def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> 
 def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     """Every check of a plan against the model and a mesh of `world` ranks, before anything changes."""
     check_unfused(model)
+    reason = refused_reason(model)
+    if reason is not None:
+        raise SurgeryError(f"surgery.tensor_parallel: {type(model).__name__} is not sharded: {reason}.")
     if not planned:
         known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
         raise SurgeryError(
