@@ -24,6 +24,7 @@ from surgery.core.registry import Family, family_of, model_class
 from surgery.core.build import seeded_model
 
 __all__ = [
+    "FP32_TOL",
     "CollectiveCounter",
     "assert_unchanged",
     "default_dtype",
@@ -37,6 +38,10 @@ __all__ = [
     "single_rank_group",
     "snapshot",
 ]
+
+
+# The one float32 tolerance: sharded or unfused against the single-device stock model, relative to the largest value
+FP32_TOL = 1e-5
 
 
 def example_inputs(family: Family, config: dict, **kwargs) -> dict:

@@ -154,6 +154,14 @@ EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
         ("torch.split(\n        self.proj_mlp(norm_hidden_states), [self.mlp_hidden_dim, self.mlp_hidden_dim], dim=-1\n    )",
          "self.proj_mlp(norm_hidden_states).chunk(2, dim=-1)", 1),
     ),
+    # transformers' UMT5 attention (Wan's and SkyReels-V2's text encoder) views q/k/v by the stored head count, where T5's
+    # uses -1: split by head_dim instead; the zero bias of a layer without relative attention bias (decoder
+    # cross-attention) counts the heads the rank holds.
+    "transformers.models.umt5.modeling_umt5.UMT5Attention.forward": (
+        (".view(batch_size, -1, self.n_heads, self.key_value_proj_dim)", ".unflatten(-1, (-1, self.key_value_proj_dim))",
+         3),
+        ("(1, self.n_heads, seq_length, key_length)", "(1, query_states.shape[1], seq_length, key_length)", 1),
+    ),
     # diffusers' generic processor (HunyuanVideo's token refiner runs it): head_dim from the global sizes, heads
     # counted from the local width, and the mask (prepare_attention_mask repeats one mask per sample over the heads:
     # the same for each head) kept once, broadcast over however many heads the rank holds.
@@ -201,7 +209,8 @@ def twin(stock: type, name: str, method: str = "__call__") -> type:
     namespace: dict = {}
     code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} with surgery.core.leaves.EDITS>",
                    "exec")
-    exec(code, getattr(stock, method).__globals__, namespace)
+    # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
+    exec(code, inspect.unwrap(getattr(stock, method)).__globals__, namespace)
     cls = type(name, (stock,), {
         method: namespace[method],
         "__module__": __name__,

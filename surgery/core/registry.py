@@ -90,8 +90,9 @@ class Family:
     shrink_config: Callable[[dict], dict] | None = None
     # other names `--model` accepts for a variant (kept so that older command lines still work)
     aliases: dict[str, str] = field(default_factory=dict)
-    # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
-    # published pipeline holds besides its transformer (`surgery plan --pipeline` builds each on meta)
+    # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
+    # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
+    # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
 
     def __repr__(self) -> str:
