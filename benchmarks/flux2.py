@@ -107,7 +107,7 @@ def single_device(args) -> list[dict]:
 def unfuse_cost(args) -> list[dict]:
     """Wall time and bytes copied by unfuse: a real-width model at reduced depth, and full-size configs on meta."""
     rows = []
-    surgery.registered()  # load the rewrite registry first: not part of unfuse's cost
+    surgery.core.registry.registered()  # load the rewrite registry first: not part of unfuse's cost
     family, config = width_config(args.models[0], 1, 2 if not args.smoke else 1, args.smoke)
     for dtype in (torch.float32, torch.bfloat16):
         model = seeded_model(family, config, 0, dtype)
@@ -115,7 +115,7 @@ def unfuse_cost(args) -> list[dict]:
         started = time.perf_counter()
         surgery.unfuse(model)
         seconds = time.perf_counter() - started
-        copied = sum(r.bytes_copied for r in surgery.last_report(model))
+        copied = sum(r.bytes_copied for r in surgery.core.rewrite.last_report(model))
         rows.append({"model": f"{args.models[0]} width, {config.get('num_layers')}+{config.get('num_single_layers')} "
                      "blocks",
                      "device": "cpu", "dtype": str(dtype)[6:], "model bytes": render.mb(size),

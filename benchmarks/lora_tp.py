@@ -54,7 +54,7 @@ def status(field: str) -> int:
 
 
 def build_config(args) -> dict:
-    family = surgery.families()[args.family]
+    family = surgery.extend.families()[args.family]
     if args.smoke:
         return dict(family.test_configs["dev_small" if args.family == "flux2" else "tp_dev"])
     return dict(family.config(args.variant), num_layers=1, num_single_layers=1)
@@ -69,7 +69,7 @@ def write_adapter(args, folder: Path) -> dict:
     """A rank-`args.rank` adapter on every block Linear of the stock model (random bf16 factors), as published."""
     from diffusers import Flux2Pipeline, FluxPipeline
 
-    family = surgery.families()[args.family]
+    family = surgery.extend.families()[args.family]
     with torch.device("meta"):
         model = model_class(family)(**build_config(args))
     generator = torch.Generator().manual_seed(0)
@@ -93,7 +93,7 @@ def measure(rank: int, world: int, args, folder: str, how: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    family = surgery.families()[args.family]
+    family = surgery.extend.families()[args.family]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with torch.device("meta"):
         model = model_class(family)(**build_config(args)).to(torch.bfloat16)

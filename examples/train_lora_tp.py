@@ -12,8 +12,8 @@ The recipe (torchtitan's order; no TP code in any forward):
     mesh = init_device_mesh(device, (dp, tp), mesh_dim_names=("dp", "tp"))
     surgery.tensor_parallel(surgery.unfuse(model), mesh["tp"])      # or surgery.load_tensor_parallel(...)
     model.add_adapter(LoraConfig(r=16, lora_alpha=16,              # stock names: the fused layers' parts
-                                 target_modules=surgery.lora_target_modules(model, ["to_qkv_mlp_proj", ...])))
-    surgery.shard_lora(model, mesh["tp"])                           # each factor laid out by its base's style
+                                 target_modules=surgery.lora.lora_target_modules(model, ["to_qkv_mlp_proj", ...])))
+    surgery.lora.shard_lora(model, mesh["tp"])                           # each factor laid out by its base's style
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo", "neuron": "neuron"}
-# the stock layers to train, in the stock model's names (fused ones included); surgery.lora_target_modules maps them
+# the stock layers to train, in the stock model's names (fused ones included); surgery.lora.lora_target_modules maps them
 STOCK_TARGETS = {
     "flux2": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
               "linear_in", "linear_out", "to_qkv_mlp_proj", "attn.to_out"],
@@ -69,7 +69,7 @@ def base_model(args, device):
     import surgery
     from surgery.testing import seeded_model
 
-    family = surgery.families()[args.family]
+    family = surgery.extend.families()[args.family]
     dtype = getattr(torch, args.dtype)
     return seeded_model(family, family.test_configs[args.config], args.seed, dtype).to(device), family
 
@@ -108,7 +108,7 @@ def add_lora(model, family_name: str, args):
     import surgery
     from peft import LoraConfig
 
-    targets = surgery.lora_target_modules(model, STOCK_TARGETS[family_name])
+    targets = surgery.lora.lora_target_modules(model, STOCK_TARGETS[family_name])
     # "gaussian": lora_B starts at zero (stock), lora_A random; every rank gets rank 0's draw from shard_lora
     model.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=targets,
                                  init_lora_weights="gaussian"))
@@ -129,7 +129,7 @@ def train(args, mesh, base, family) -> dict:
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(base)), mesh["tp"])
     add_lora(model, family.name, args)
-    surgery.shard_lora(model, mesh["tp"])  # src_data_rank=0: every TP rank gets rank 0's initial factors
+    surgery.lora.shard_lora(model, mesh["tp"])  # src_data_rank=0: every TP rank gets rank 0's initial factors
     initial = {n: full(p).clone() for n, p in model.named_parameters() if "lora_" in n}
     for child in model.children():
         if isinstance(child, torch.nn.ModuleList):

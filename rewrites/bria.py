@@ -21,8 +21,7 @@ from diffusers.models.transformers.transformer_bria import (
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.core.leaves import Processors
-from surgery.core.registry import Family
+from surgery.extend import Family, Processors
 
 REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))
 

@@ -25,8 +25,7 @@ from diffusers.models.transformers.transformer_bria_fibo import (
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.core.leaves import Processors, swap_rewrite
-from surgery.core.registry import Family
+from surgery.extend import Family, Processors, swap_rewrite
 
 _SINGLE_ATTENTION = Processors((BriaAttnProcessor,))
 REWRITES = (

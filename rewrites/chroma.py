@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_chroma import ChromaSingleTransfo
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.flux1 import check_single_block, flux1_single_block_rewrite, rope_axes_like_flux1
-from surgery.core.registry import Family
+from surgery.extend import Family
 
 REWRITES = (flux1_single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
 
@@ -110,5 +110,4 @@ FAMILY = Family(
     count_all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
-    aliases={"chroma": "hd"},  # `--model chroma`
 )

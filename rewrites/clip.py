@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.core.registry import Family
+from surgery.extend import Family
 
 _MODELING = "transformers.models.clip.modeling_clip"
 

@@ -22,11 +22,7 @@ from diffusers.models.activations import GEGLU, SwiGLU
 from diffusers.models.attention import FeedForward
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import under
-from surgery.core.registry import Family
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
-from surgery.parallel.plans import per_head_norm
+from surgery.extend import Family, SurgeryError, SPLIT_PROJECTION_TP_PLAN, per_head_norm, under
 
 # QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
 HEAD_NORM = per_head_norm(2)

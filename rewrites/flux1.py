@@ -30,12 +30,20 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.checks import check_hooks, check_linear, mesh_sizes_dividing
-from surgery.core.leaves import columns, swap_rewrite
-from surgery.core.registry import Family, Rewrite
-from surgery.core.rewrite import fuse, unfuse
-from surgery.core.slicing import Slice, row_slices
+from surgery.extend import (
+    Family,
+    Rewrite,
+    Slice,
+    SurgeryError,
+    check_hooks,
+    check_linear,
+    columns,
+    fuse,
+    mesh_sizes_dividing,
+    row_slices,
+    swap_rewrite,
+    unfuse,
+)
 
 # --- the single-stream block ---------------------------------------------------------------------------------------
 

@@ -31,12 +31,19 @@ from diffusers.models.transformers.transformer_flux2 import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
-from surgery.core import build
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import columns, rows, swap_rewrite, under
-from surgery.core.registry import Family, Rewrite
-from surgery.core.slicing import Slice, row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.extend import (
+    Family,
+    Rewrite,
+    Slice,
+    SurgeryError,
+    SPLIT_PROJECTION_TP_PLAN,
+    build,
+    columns,
+    row_slices,
+    rows,
+    swap_rewrite,
+    under,
+)
 
 # --- the leaves -----------------------------------------------------------------------------------------------------
 
@@ -210,7 +217,6 @@ VARIANTS = {
         joint_attention_dim=15360, guidance_embeds=True,
     ),
 }
-CONFIGS = VARIANTS  # the name older scripts and notebooks import
 
 
 def example_inputs(
@@ -291,7 +297,6 @@ FAMILY = Family(
     count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
-    aliases={"klein-4b": "klein-4b", "klein-9b": "klein-9b", "dev": "dev"},
 )
 
 

@@ -32,10 +32,18 @@ from diffusers.models.transformers.transformer_flux3 import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import Processors, recast, rows, swap_rewrite, translate
-from surgery.core.registry import Family, Rewrite
-from surgery.core.slicing import Slice, row_slices
+from surgery.extend import (
+    Family,
+    Processors,
+    Rewrite,
+    Slice,
+    SurgeryError,
+    recast,
+    row_slices,
+    rows,
+    swap_rewrite,
+    translate,
+)
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
 

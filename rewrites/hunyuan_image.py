@@ -26,9 +26,7 @@ from diffusers.models.transformers.transformer_hunyuanimage import (
 )
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import Processors, columns, recast, swap_rewrite  # noqa: F401  (recast: older imports)
-from surgery.core.registry import Family
+from surgery.extend import Family, Processors, SurgeryError, columns, swap_rewrite
 
 PROCESSORS = Processors((HunyuanImageAttnProcessor,))
 REWRITES = (

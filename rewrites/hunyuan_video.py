@@ -33,14 +33,12 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTokenReplaceSingleTransformerBlock,
     HunyuanVideoTokenReplaceTransformerBlock,
     HunyuanVideoTransformer3DModel,
+    HunyuanVideoTokenRefiner,
     HunyuanVideoTransformerBlock,
 )
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.checks import mesh_sizes_dividing
-from surgery.core.leaves import Processors, columns, swap_rewrite
-from surgery.core.registry import Family
+from surgery.extend import Family, Processors, SurgeryError, columns, mesh_sizes_dividing, swap_rewrite
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))
@@ -187,11 +185,14 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     tp_checks=TP_CHECKS,
+    replicated={HunyuanVideoTokenRefiner: {
+        "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)",
+        "token_refiner.refiner_blocks.*.norm_out.linear": "adaLN modulation of the replicated conditioning embedding",
+    }},
     # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved
     # once); per token-refiner block: attention out + ff
     count_all_reduces=lambda config: 4 * config.get("num_layers", 20) + config.get("num_single_layers", 40)
     + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
-    aliases={"hunyuan-video": "t2v"},  # `--model hunyuan-video`: the text-to-video model
 )

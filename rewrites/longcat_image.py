@@ -26,9 +26,7 @@ from diffusers.models.transformers.transformer_longcat_image import (
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import Leaf, Processors, columns, swap_rewrite
-from surgery.core.registry import Family, Rewrite
+from surgery.extend import Family, Leaf, Processors, Rewrite, SurgeryError, columns, swap_rewrite
 
 # The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
 PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)

@@ -36,9 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery_rewrites.longcat_image import balanced_rope_axes, flux_like_rewrites
-from surgery.core.leaves import Processors, swap_rewrite, under
-from surgery.core.registry import Family
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.extend import Family, Processors, SPLIT_PROJECTION_TP_PLAN, swap_rewrite, under
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (

@@ -11,7 +11,7 @@ projection, the double-stream blocks' SwiGLU feed-forwards, and attention proces
 
 The single block's `proj_mlp` holds two row blocks, `up` then `gate` (`up * silu(gate)`), and the stock forward splits
 its output by the global widths (`torch.split(..., [mlp_hidden_dim, mlp_hidden_dim])`), which a rank holding half of
-each cannot run: the block's twin (`surgery.core.leaves.twin`, edits listed in `surgery.core.leaves.EDITS`) halves whatever
+each cannot run: the block's twin (`surgery.core.leaves.twin`, edits listed here with `surgery.core.leaves.register_edits`) halves whatever
 width it gets instead. `unfuse` names the twin beside the stock class in the model's `_repeated_blocks` and
 `_no_split_modules`, and diffusers' block registry knows it under the stock class's metadata.
 """
@@ -32,11 +32,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.core.leaves import Processors, recast, rows, twin, under
-from surgery.core.registry import Family, Rewrite
-from surgery.core.slicing import row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
+from surgery.extend import (
+    Family, Processors, Rewrite, SPLIT_PROJECTION_TP_PLAN, recast, register_edits, row_slices, rows, twin, under,
+)
 
+# its gated MLP is split by the global widths: halves of whatever width the rank holds instead
+register_edits(OvisImageSingleTransformerBlock, "forward", (
+    ("torch.split(\n        self.proj_mlp(norm_hidden_states), [self.mlp_hidden_dim, self.mlp_hidden_dim], dim=-1\n    )",
+     "self.proj_mlp(norm_hidden_states).chunk(2, dim=-1)", 1),
+))
 OvisImageSplitSingleTransformerBlock = twin(
     OvisImageSingleTransformerBlock, "OvisImageSplitSingleTransformerBlock", method="forward"
 )

@@ -9,7 +9,7 @@ plan lives here (the text encoders' plans are transformers' own, or `rewrites/t5
 
 from __future__ import annotations
 
-from surgery.core.registry import Family
+from surgery.extend import Family
 
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503 config.json (FLUX.2-dev's text_encoder/ is this model)
 MISTRAL_SMALL_3_1 = (

@@ -6,7 +6,7 @@ only names the model class, so that the registry knows it. Nothing here imports 
 
 from __future__ import annotations
 
-from surgery.core.registry import Family
+from surgery.extend import Family
 
 _MODELING = "transformers.models.qwen3.modeling_qwen3"
 

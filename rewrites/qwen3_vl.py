@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from surgery.core.registry import Family
+from surgery.extend import Family
 
 _MODELING = "transformers.models.qwen3_vl.modeling_qwen3_vl"
 

@@ -18,12 +18,11 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
+    QwenImageTransformerBlock,
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin
-from surgery.core.registry import Family
+from surgery.extend import Family, SurgeryError, runs_twin
 
 # diffusers' generic `Attention` as QwenImage's double-stream block builds it takes the shared double-stream plan
 # (rewrites/diffusers_common.py): heads split across ranks, one all-reduce per output projection (image and text).
@@ -126,6 +125,9 @@ FAMILY = Family(
     example_inputs=example_inputs,
     tp_plans={Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN},
     tp_when={Attention: _splits_by_head_dim},
+    # as in diffusers' _tp_plan: each stream's modulation (SiLU, Linear) reads the replicated timestep embedding
+    replicated={QwenImageTransformerBlock: dict.fromkeys(("img_mod.1", "txt_mod.1"), "adaLN modulation of the "
+                                                         "replicated timestep embedding")},
     # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
     count_all_reduces=lambda config: 4 * config.get("num_layers", 60),
     test_configs=TEST_CONFIGS,

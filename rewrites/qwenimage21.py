@@ -17,8 +17,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
-from surgery.core.errors import SurgeryError
-from surgery.core.registry import Family
+from surgery.extend import Family, SurgeryError
 
 # The attention takes the shared one-stream plan (rewrites/diffusers_common.py): heads split across ranks, one
 # all-reduce for the output projection. gate and up split the hidden units across ranks; `out` all-reduces once.

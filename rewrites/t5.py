@@ -13,9 +13,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.core.errors import SurgeryError
-from surgery.core.checks import mesh_sizes_dividing
-from surgery.core.registry import Family
+from surgery.extend import Family, SurgeryError, mesh_sizes_dividing
 
 _MODELING = "transformers.models.t5.modeling_t5"
 

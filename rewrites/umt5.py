@@ -3,7 +3,7 @@ ships no tensor-parallel plan for it, so this is a literal stock one, as for T5 
 
 Unlike T5, UMT5's attention views q/k/v by its stored head count (`view(batch, -1, self.n_heads, d_kv)`), which is
 wrong on a rank holding `n_heads / N` heads. `unfuse` swaps each `UMT5Attention` for its head-dim twin (the stock
-forward with the edits listed in `surgery.core.leaves.EDITS`, drift-tested); nothing else changes, and `fuse` gives the
+forward with the edits listed below, drift-tested); nothing else changes, and `fuse` gives the
 stock class back. Every layer holds its own relative attention bias (`[num_buckets, num_heads]`): column-sharded with
 the heads, so each rank computes its own heads' bias. The shared token embedding stays whole.
 """
@@ -14,11 +14,14 @@ import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers.models.umt5 import modeling_umt5 as M
 
-from surgery.core.checks import mesh_sizes_dividing
-from surgery.core.errors import SurgeryError
-from surgery.core.leaves import recast, twin
-from surgery.core.registry import Family, Rewrite
+from surgery.extend import Family, Rewrite, SurgeryError, mesh_sizes_dividing, recast, register_edits, twin
 
+# UMT5's attention views q/k/v by the stored head count, where T5's uses -1: split by head_dim instead; the zero bias
+# of a layer without relative attention bias (decoder cross-attention) counts the heads the rank holds.
+register_edits(M.UMT5Attention, "forward", (
+    (".view(batch_size, -1, self.n_heads, self.key_value_proj_dim)", ".unflatten(-1, (-1, self.key_value_proj_dim))", 3),
+    ("(1, self.n_heads, seq_length, key_length)", "(1, query_states.shape[1], seq_length, key_length)", 1),
+))
 HeadDimUMT5Attention = twin(M.UMT5Attention, "HeadDimUMT5Attention", "forward")
 
 ATTENTION_TP_PLAN = {

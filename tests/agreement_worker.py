@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import surgery
+from surgery.parallel.agreement import agree
 from surgery.testing import CollectiveCounter
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 
@@ -43,7 +44,7 @@ def leftovers(model) -> list[str]:
 
 def attempt(call, model) -> dict:
     """Run `call(model)` and report the error, the seconds it took to arrive and whether `model` is intact."""
-    snap = snapshot(model)
+    snap = snapshot(model) if model is not None else None
     start = time.monotonic()
     counter = CollectiveCounter()  # every collective the call issued (c10d and functional), by op
     try:
@@ -56,7 +57,9 @@ def attempt(call, model) -> dict:
         error = f"NOT A SurgeryError: {type(e).__name__}: {e}"
     seconds = time.monotonic() - start
     try:
-        if any(p.is_meta for p in model.parameters()):  # no values to compare: the very same objects, then
+        if model is None:
+            pass
+        elif any(p.is_meta for p in model.parameters()):  # no values to compare: the very same objects, then
             modules, params = snap
             assert [(n, id(m), type(m)) for n, m in model.named_modules()] == modules
             assert {n: id(p) for n, p in model.named_parameters()} == {n: pid for n, (pid, _) in params.items()}
@@ -65,7 +68,7 @@ def attempt(call, model) -> dict:
         intact = True
     except AssertionError:
         intact = False
-    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": leftovers(model),
+    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": leftovers(model) if model is not None else [],
             "collectives": dict(counter.counts)}
 
 
@@ -109,6 +112,25 @@ def run(rank: int, world: int) -> dict:
         with torch.device("meta"):
             meta = surgery.unfuse(type(build(CONFIG)).from_config(build(CONFIG).config))
     out["meta"] = attempt(shard(mesh), meta if other else unfused())
+    # the ranks reach the same point in different verbs (the handshake counts arrivals only): the exchange names them
+    verb = "save_pretrained" if other else "tensor_parallel"
+    out["verbs"] = attempt(lambda m: agree(mesh, verb, lambda: None), None)
+
+    # shard_lora on rank 0 only (`if rank == 0:`): rank 0 raises within the handshake timeout naming rank 1; the
+    # barrier keeps rank 1 from meeting rank 0's handshake with its next verb
+    from peft import LoraConfig
+
+    model = surgery.tensor_parallel(unfused(), mesh)
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_out.0"]))
+    local = {n: (id(p), p.to_local().clone() if hasattr(p, "to_local") else p.detach().clone())
+             for n, p in model.named_parameters()}  # per rank: torch.equal on a DTensor would be a collective
+    if not other:
+        with mock.patch.dict("os.environ", {"SURGERY_HANDSHAKE_TIMEOUT": "2"}):
+            out["shard_lora_alone"] = attempt(lambda _: surgery.lora.shard_lora(model), None)
+        out["shard_lora_alone"]["intact"] = all(
+            id(p) == local[n][0] and torch.equal(p.to_local() if hasattr(p, "to_local") else p.detach(), local[n][1])
+            for n, p in model.named_parameters())
+    dist.barrier(group)
 
     # a failure midway (block 2, one rank only): every rank rolls back to the very same objects, and can retry
     reference = build(CONFIG, 3)

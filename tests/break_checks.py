@@ -5,7 +5,8 @@ the tests that guard it there, and reports whether they failed (they must).
     python tests/break_checks.py 0 5        # entries by number
 
 Not part of the suite (it runs the suite's own tests against broken code); run it after changing a guarded piece or
-its test. A line that reads "passed" is a test that cannot fail.
+its test. Each entry's tests run on the unbroken scratch tree first: one that fails there is reported ("FAILS
+UNBROKEN") and not counted. A line that reads "CANNOT FAIL?" is a test that passed with its guard broken.
 """
 
 from __future__ import annotations
@@ -56,40 +57,77 @@ MUTATIONS = [
         "    planned = agree(mesh, \"tensor_parallel\", check,",
         "    dist.barrier(group=mesh.get_group())\n    planned = agree(mesh, \"tensor_parallel\", check,",
         ["tests/test_rank_agreement.py::Agreement::test_a_refusal_runs_no_collective_but_the_agreement"]),
+    ("agreement: ranks in different verbs not told", "surgery/parallel/agreement.py",
+        "    if message is None and len(set(verbs)) > 1:\n", "    if False:\n",
+        ["tests/test_rank_agreement.py::Agreement::test_ranks_in_different_verbs_name_each_other"]),
+    ("stock_lora_adapter: parts' different scales not folded into lora_B", "surgery/integration/lora.py",
+        "        if len({scale[p] for p in present}) > 1:", "        if False:",
+        ["tests/test_diffusers_lora.py::AdapterWhosePartsScaleDifferently::test_parts_with_their_own_alpha",
+         "tests/test_diffusers_lora.py::AdapterWhosePartsScaleDifferently::test_parts_with_their_own_rank"]),
+    ("stock_lora_adapter: rsLoRA's alpha computed as plain LoRA's", "surgery/integration/lora.py",
+        '(math.sqrt(rank) if config.get("use_rslora") else rank)', "rank",
+        ["tests/test_diffusers_lora.py::AdapterWhosePartsScaleDifferently::test_rslora"]),
+    ("checks: accelerate's hooks (device_map, CPU offloading) not refused", "surgery/core/checks.py",
+        '    if getattr(module, "_hf_hook", None) is not None:\n', "    if False:\n",
+        ["tests/test_bad_input.py::Refusals::test_accelerate_offloading_hooks",
+         "tests/test_bad_input.py::AlreadySharded::test_accelerate_offloading_hooks_under_tensor_parallel"]),
+    ("shard_lora: no handshake (a rank alone waits in the first broadcast)", "surgery/integration/lora_tp.py",
+        'agree(mesh, "shard_lora", check)', "check()",
+        ["tests/test_rank_agreement.py::Agreement::test_shard_lora_on_one_rank_raises_there_naming_the_other"]),
+    ("add_adapter: DoRA on a sharded model not refused (PEFT's mixed Tensor/DTensor error)",
+        "surgery/integration/diffusers_hooks.py",
+        'if getattr(adapter_config, "use_dora", False) and any(', "if False and any(",
+        ["tests/test_lora_tp.py::AdaptersOnAShardedModel::test_bad_adapters_are_refused_on_every_rank_and_change_nothing"]),
 ]
+
+
+def _pytest(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
+    # the scratch tree first on the path (an editable install would import this tree otherwise); a hang in a rank job
+    # fails within 90 s
+    env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="90")
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=tree,
+                          env=env, capture_output=True, text=True)
+
+
+def _last(run: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in run.stdout.splitlines() if line.strip()][-1:]
 
 
 def main(argv: list[str]) -> int:
     chosen = [int(a) for a in argv] or range(len(MUTATIONS))
-    passed = []
+    passed, unusable = [], []
     for i in chosen:
         what, path, old, new, tests = MUTATIONS[i]
         with tempfile.TemporaryDirectory(prefix="surgery-break-") as tmp:
             tree = Path(tmp) / "tree"
             shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.egg-info"))
+            # the families install as `surgery_rewrites`: the scratch tree's own, not the editable install's
+            (tree / "surgery_rewrites").symlink_to(tree / "rewrites", target_is_directory=True)
             target = tree / path
             text = target.read_text()
             if old is None:
                 old, new = "ColwiseParallel()", "RowwiseParallel()"
             if old not in text:
                 print(f"{i} | {what} | the text to break is no longer in {path}: update this entry", flush=True)
-                passed.append(i)
+                unusable.append(i)
+                continue
+            started = time.time()
+            # unbroken first: a test that fails (or selects nothing) on the good code proves nothing when it fails
+            # on the broken one, so it is reported and not counted
+            clean = _pytest(tree, tests)
+            if clean.returncode != 0:
+                print(f"{i} | {what} | {' '.join(tests)} | FAILS UNBROKEN (exit {clean.returncode}), not counted | "
+                      f"{_last(clean)} | {time.time() - started:.0f} s", flush=True)
+                unusable.append(i)
                 continue
             target.write_text(text.replace(old, new, 1))
-            # the families install as `surgery_rewrites`: the scratch tree's own, not the editable install's
-            (tree / "surgery_rewrites").symlink_to(tree / "rewrites", target_is_directory=True)
-            # the scratch tree first on the path (an editable install would import this tree otherwise); a hang
-            # in a rank job fails within 90 s
-            env = dict(os.environ, PYTHONPATH=str(tree), SURGERY_RANKS_TIMEOUT="90")
-            started = time.time()
-            run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=tree,
-                                 env=env, capture_output=True, text=True)
-        last = [line for line in run.stdout.splitlines() if line.strip()][-1:]
+            run = _pytest(tree, tests)
         verdict = "failed, as it must" if run.returncode == 1 else f"exit {run.returncode}: CANNOT FAIL?"
         if run.returncode != 1:
             passed.append(i)
-        print(f"{i} | {what} | {' '.join(tests)} | {verdict} | {last} | {time.time() - started:.0f} s", flush=True)
-    return 1 if passed else 0
+        print(f"{i} | {what} | {' '.join(tests)} | passed unbroken, {verdict} | {_last(run)} | "
+              f"{time.time() - started:.0f} s", flush=True)
+    return 1 if passed or unusable else 0
 
 
 if __name__ == "__main__":

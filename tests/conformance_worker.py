@@ -99,7 +99,7 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
     result["sharded_params"] = len(sharded)
 
     (ref_in, ref), (tp_in, tp) = gradients(fused, kw, seed), gradients(model, kw, seed)
-    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model)) if surgery.weight_slices(model) else tp
+    tp = surgery.state_dict.fuse_state_dict(tp, surgery.state_dict.weight_slices(model)) if surgery.state_dict.weight_slices(model) else tp
     result["grad_keys_match"] = sorted(tp) == sorted(ref)
     result["param_grads"] = max(gradient_errors(tp, ref).values())
     result["input_grads"] = max((rel_err(tp_in[k], g) for k, g in ref_in.items()), default=0.0)

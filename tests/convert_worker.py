@@ -30,7 +30,7 @@ def stall(src: str, dst: str, marker: str, after: int = 6) -> None:
 
     writer.write_chunk = stalling
     writer.BLOCK_BYTES = 64 * 1024
-    surgery.convert_checkpoint(src, dst, overwrite=True, max_shard_size="1MB")
+    surgery.state_dict.convert_checkpoint(src, dst, overwrite=True, max_shard_size="1MB")
 
 
 def convert_peak(rank: int, world: int, src: str, dst: str, warmup_src: str, warmup_dst: str) -> dict:
@@ -38,10 +38,10 @@ def convert_peak(rank: int, world: int, src: str, dst: str, warmup_src: str, war
     from load_worker import PeakMemory
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed blocks go back to the system
-    surgery.convert_checkpoint(warmup_src, warmup_dst, max_shard_size="100KB")
+    surgery.state_dict.convert_checkpoint(warmup_src, warmup_dst, max_shard_size="100KB")
     with PeakMemory() as memory, PeakMemory("VmRSS") as mapped:
         started = time.perf_counter()
-        surgery.convert_checkpoint(src, dst, max_shard_size="50MB")
+        surgery.state_dict.convert_checkpoint(src, dst, max_shard_size="50MB")
         seconds = time.perf_counter() - started
     return {"peak": memory.peak, "mapped_peak": mapped.peak, "seconds": seconds}
 

@@ -103,7 +103,7 @@ def refused(model, call) -> str | None:
 
 
 def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
-    family = surgery.families()[family_name]
+    family = surgery.extend.families()[family_name]
     pipe_cls = pipeline_class(CASES[family_name][0])
     config = family.test_configs[CASES[family_name][1]]
     base = seeded_model(family, config, 0)
@@ -187,7 +187,7 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
     written = load_file(saved / "pytorch_lora_weights.safetensors")
     out["saved keys"] = sorted(written) == sorted(k.removeprefix("transformer.") for k in original)
     out["saved exact"] = all(torch.equal(written[k.removeprefix("transformer.")], v) for k, v in original.items())
-    layers, _ = surgery.stock_lora_adapter(model, "one")
+    layers, _ = surgery.lora.stock_lora_adapter(model, "one")
     out["stock_lora_adapter plain tensors"] = all(type(v) is torch.Tensor for v in layers.values())
 
     model.unload_lora()
@@ -219,7 +219,7 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
     model = sharded()
     model.load_lora_adapter(files["one"], adapter_name="one")
     other = "flux1" if family_name == "flux2" else "flux2"
-    other_family = surgery.families()[other]
+    other_family = surgery.extend.families()[other]
     other_base = seeded_model(other_family, other_family.test_configs[CASES[other][1]], 0)
     state, cfg = random_adapter(other_base, 9, 2, 2, block_linears(other_base))
     foreign = publish(pipe_cls, state, cfg, root / family_name / "foreign")
@@ -241,6 +241,8 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
                                                                else data)
     out["refuse: corrupt file (on rank 0 only)"] = refused(model, lambda: model.load_lora_adapter(corrupt,
                                                                                                  adapter_name="c"))
+    out["refuse: DoRA"] = refused(model, lambda: model.add_adapter(
+        LoraConfig(r=2, lora_alpha=2, target_modules=two_targets, use_dora=True), adapter_name="d"))
     out["refusals left the adapter working"] = rel_err(forward(model, kw), expected["one"])
     return out
 

@@ -1,5 +1,5 @@
 """What each of 4 gloo ranks runs for tests/test_lora_train.py: the core of examples/train_lora_tp.py (TP 2 x
-FSDP2 2, LoRA on the unfused layers, surgery.shard_lora) against the same steps on one device; then the saved
+FSDP2 2, LoRA on the unfused layers, surgery.lora.shard_lora) against the same steps on one device; then the saved
 adapter in stock diffusers."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import re
 import struct
 from pathlib import Path
 
-from surgery.sight.diagram import NOTEBOOK_WIDTH_PX, README_WIDTH_PX, svg_scale, svg_size_px
+from surgery.sight.svg import NOTEBOOK_WIDTH_PX, README_WIDTH_PX, svg_scale, svg_size_px
 
 ROOT = Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -242,9 +242,9 @@ def user_paths(rank: int, world: int, family_name: str, variant: str, depth: dic
 
         # surgery convert both ways (rank 0), then load the unfused layout
         if rank == 0:
-            surgery.convert_checkpoint(root / "tp", root / "unfused", max_shard_size="1GB")
+            surgery.state_dict.convert_checkpoint(root / "tp", root / "unfused", max_shard_size="1GB")
             r["convert_unfused"] = differing(checkpoint_hashes(root / "unfused"), unfused_hashes)
-            surgery.convert_checkpoint(root / "unfused", root / "fused", to="fused", max_shard_size="1GB")
+            surgery.state_dict.convert_checkpoint(root / "unfused", root / "fused", to="fused", max_shard_size="1GB")
             r["convert_fused"] = differing(checkpoint_hashes(root / "fused"), fused_hashes)
             shutil.rmtree(root / "fused")
         dist.barrier()

@@ -86,7 +86,7 @@ class OwnsOnlyWhatItWrites(Case):
             surgery.save_pretrained(self.model, pipe)
         for overwrite in (False, True):  # convert: the same check
             with self.assertRaisesRegex(surgery.SurgeryError, "surgery.convert: '.*pipe' is a pipeline folder"):
-                surgery.convert_checkpoint(self.root / "src", pipe, overwrite=overwrite)
+                surgery.state_dict.convert_checkpoint(self.root / "src", pipe, overwrite=overwrite)
         self.assertEqual(tree(self.root), before)
 
     def test_dot_is_the_working_folder(self):
@@ -162,7 +162,7 @@ class OneWriter(Case):
                                                               r"on .* right now .*Nothing was written"):
                 surgery.save_pretrained(self.model, self.dst)
             with self.assertRaisesRegex(surgery.SurgeryError, "is being written by"):
-                surgery.convert_checkpoint(self.root / "src", self.dst, overwrite=True)
+                surgery.state_dict.convert_checkpoint(self.root / "src", self.dst, overwrite=True)
             self.assertEqual(tree(self.root), before)
         finally:
             first.discard()

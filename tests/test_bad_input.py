@@ -58,6 +58,15 @@ class Refusals(unittest.TestCase):
         self.model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
         self.assert_refused(r"diffusers hooks")
 
+    def test_accelerate_offloading_hooks(self):
+        # accelerate's hooks replace `forward` on the instance (no torch hook): a swapped Linear would drop them. The
+        # hooks `dispatch_model` attaches for a device_map (weights stay where they are, so the model can be compared)
+        from accelerate.hooks import attach_align_device_hook
+
+        attach_align_device_hook(self.model, execution_device=torch.device("cpu"))
+        self.assert_refused(r"^surgery.unfuse: '[\w.]+' \(Linear\) has accelerate hooks \(device_map or CPU "
+                            r"offloading\), which surgery.unfuse cannot carry over. Remove them")
+
     def test_attributes_that_no_longer_describe_the_weights(self):
         self.model.single_transformer_blocks[1].attn.mlp_hidden_dim += 8
         self.assert_refused(rf"'{SINGLE}.to_qkv_mlp_proj.weight' has shape \(432, 48\), but .* give 448 along dim 0")
@@ -133,6 +142,19 @@ class AlreadySharded(unittest.TestCase):
         assert_unchanged(model, snap)
 
 
+    def test_accelerate_offloading_hooks_under_tensor_parallel(self):
+        from accelerate.hooks import attach_align_device_hook
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = surgery.unfuse(build(small_config("klein4b_small")))
+        attach_align_device_hook(model, execution_device=torch.device("cpu"))
+        snap = snapshot(model)
+        with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: .* has accelerate hooks "
+                                                          r"\(device_map or CPU offloading\)"):
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (1,)))
+        assert_unchanged(model, snap)
+
+
 class InputErrorsAreOneClearLine(unittest.TestCase):
     """Issue 18's input errors: a `SurgeryError` (the CLI prints it as one line) naming the fix, never torch's or
     diffusers' bare message."""
@@ -182,7 +204,7 @@ class InputErrorsAreOneClearLine(unittest.TestCase):
                 (Path(tmp) / "src" / "config.json").write_text(json.dumps({"_class_name": name}))
                 with self.assertRaisesRegex(surgery.SurgeryError, rf"names _class_name {name!r}, which is {what}\. "
                                                                   "Pass a diffusers model folder"):
-                    surgery.convert_checkpoint(Path(tmp) / "src", Path(tmp) / "out")
+                    surgery.state_dict.convert_checkpoint(Path(tmp) / "src", Path(tmp) / "out")
                 stderr = io.StringIO()
                 with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit):
                     main(["convert", str(Path(tmp) / "src"), str(Path(tmp) / "out")])

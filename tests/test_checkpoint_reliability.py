@@ -54,7 +54,7 @@ def fused_checkpoint() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def unfused_checkpoint() -> Path:
-    return surgery.convert_checkpoint(fused_checkpoint(), ROOT / "cache" / "unfused")
+    return surgery.state_dict.convert_checkpoint(fused_checkpoint(), ROOT / "cache" / "unfused")
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +140,7 @@ class DestinationIsSource(Workspace):
         self.addCleanup(os.chdir, cwd)
         pattern = "holds the source" if case == "holds_source" else "is, or lies inside, the source"
         for overwrite in (False, True):
-            self.assert_refused_untouched(pattern, surgery.convert_checkpoint, src, dst, overwrite=overwrite)
+            self.assert_refused_untouched(pattern, surgery.state_dict.convert_checkpoint, src, dst, overwrite=overwrite)
 
 
 class Interrupted(Workspace):
@@ -149,7 +149,7 @@ class Interrupted(Workspace):
     def setUp(self):
         super().setUp()
         self.dst = self.ws / "out"
-        surgery.convert_checkpoint(self.src, self.dst)
+        surgery.state_dict.convert_checkpoint(self.src, self.dst)
         (self.dst / "README.md").write_text("kept")
         self.other = self.ws / "B"
         build(small_config(CONFIG), SEED + 1).save_pretrained(self.other)
@@ -171,7 +171,7 @@ class Interrupted(Workspace):
     def test_raised_inside_the_write(self, _, error, pattern):
         before = tree(self.ws)
         with self.failing_write(error), self.assertRaises(type(error) if pattern is None else Exception) as raised:
-            surgery.convert_checkpoint(self.other, self.dst, overwrite=True, max_shard_size="100KB")
+            surgery.state_dict.convert_checkpoint(self.other, self.dst, overwrite=True, max_shard_size="100KB")
         if pattern is not None:
             self.assertRegex(str(raised.exception), pattern)
         self.assertEqual(tree(self.ws), before)
@@ -182,7 +182,7 @@ class Interrupted(Workspace):
 
         with mock.patch("surgery.io.atomic.tempfile.mkdtemp", refuse):
             self.assert_refused_untouched(r"cannot write beside '.*out': Read-only file system",
-                                          surgery.convert_checkpoint, self.other, self.dst, overwrite=True)
+                                          surgery.state_dict.convert_checkpoint, self.other, self.dst, overwrite=True)
 
     def test_sigkill_midway_then_rerun(self):
         before = tree(self.dst)
@@ -204,15 +204,15 @@ class Interrupted(Workspace):
         self.assertTrue(partial.exists() and ".surgery-tmp-" in partial.parent.name, partial)
         self.assertEqual(len(temporaries(self.ws)), 1)
         # The next run removes the dead run's temporary folder and completes.
-        surgery.convert_checkpoint(few_mb_checkpoint(), self.dst, overwrite=True)
+        surgery.state_dict.convert_checkpoint(few_mb_checkpoint(), self.dst, overwrite=True)
         self.assertEqual(temporaries(self.ws), [])
         self.assertEqual((self.dst / "README.md").read_text(), "kept")
-        fresh = surgery.convert_checkpoint(few_mb_checkpoint(), self.ws / "fresh")
+        fresh = surgery.state_dict.convert_checkpoint(few_mb_checkpoint(), self.ws / "fresh")
         self.assertEqual(tree(self.dst) | {"README.md": ""}, tree(fresh) | {"README.md": ""})
 
     def test_destination_is_a_file(self):
         (self.ws / "F").write_bytes(b"not a folder")
-        self.assert_refused_untouched("'.*F' is a file, not a folder", surgery.convert_checkpoint,
+        self.assert_refused_untouched("'.*F' is a file, not a folder", surgery.state_dict.convert_checkpoint,
                                       self.src, self.ws / "F")
 
 
@@ -231,16 +231,16 @@ class OldCheckpointInDestination(Workspace):
 
     def test_refused_without_overwrite(self):
         self.assert_refused_untouched("already holds a checkpoint .*pass overwrite=True",
-                                      surgery.convert_checkpoint, unfused_checkpoint(), self.dst, to="fused")
+                                      surgery.state_dict.convert_checkpoint, unfused_checkpoint(), self.dst, to="fused")
 
     @parameterized.expand([("one_file", "10GB", True), ("sharded", "200KB", True),
                            ("two_renames", "200KB", False)])  # where renameat2 is missing: rename old away, new in
     def test_overwrite_replaces_it_whole(self, _, max_shard_size, renameat2):
         with mock.patch("surgery.io.atomic._renameat2", return_value=False) if not renameat2 else contextlib.nullcontext():
-            surgery.convert_checkpoint(unfused_checkpoint(), self.dst, to="fused", overwrite=True,
+            surgery.state_dict.convert_checkpoint(unfused_checkpoint(), self.dst, to="fused", overwrite=True,
                                        max_shard_size=max_shard_size)
         written = {p.name for p in self.dst.glob("diffusion_pytorch_model*")}
-        fresh = surgery.convert_checkpoint(unfused_checkpoint(), self.ws / "fresh", to="fused",
+        fresh = surgery.state_dict.convert_checkpoint(unfused_checkpoint(), self.ws / "fresh", to="fused",
                                            max_shard_size=max_shard_size)
         self.assertEqual(written, {p.name for p in fresh.glob("diffusion_pytorch_model*")})  # no old shard left
         self.assertEqual(sorted(os.listdir(self.dst)), sorted([*os.listdir(fresh), "README.md", "notes"]))
@@ -280,8 +280,8 @@ class FilesPickedAsDiffusersDoes(Workspace):
     def test_stray_ema_file_is_ignored(self):
         self.add_ema()
         self.assert_same(self.load(self.src), self.expected_unfused())
-        surgery.convert_checkpoint(self.src, self.ws / "U")
-        surgery.convert_checkpoint(self.ws / "U", self.ws / "F", to="fused")
+        surgery.state_dict.convert_checkpoint(self.src, self.ws / "U")
+        surgery.state_dict.convert_checkpoint(self.ws / "U", self.ws / "F", to="fused")
         self.assert_state(self.ws / "F", reference())
 
     def test_only_a_stray_file_is_refused_by_name(self):
@@ -289,14 +289,14 @@ class FilesPickedAsDiffusersDoes(Workspace):
         (self.src / WEIGHTS).unlink()
         pattern = r"has neither .*diffusion_pytorch_model.safetensors; it holds \['diffusion_pytorch_model_ema"
         self.assert_refused_untouched(pattern, self.load, self.src)
-        self.assert_refused_untouched(pattern, surgery.convert_checkpoint, self.src, self.ws / "U")
+        self.assert_refused_untouched(pattern, surgery.state_dict.convert_checkpoint, self.src, self.ws / "U")
 
     def test_variant_only_when_asked(self):
         half = {k: v.half() for k, v in load_file(self.src / WEIGHTS).items()}
         save_file(half, self.src / "diffusion_pytorch_model.fp16.safetensors", metadata={"format": "pt"})
         self.assert_same(self.load(self.src), self.expected_unfused())
         self.assert_same(self.load(self.src, variant="fp16"), self.expected_unfused(torch.float16))
-        surgery.convert_checkpoint(self.src, self.ws / "U", variant="fp16", max_shard_size="100KB")
+        surgery.state_dict.convert_checkpoint(self.src, self.ws / "U", variant="fp16", max_shard_size="100KB")
         self.assertTrue((self.ws / "U" / "diffusion_pytorch_model.safetensors.index.fp16.json").exists())
         self.assertTrue(list((self.ws / "U").glob("diffusion_pytorch_model.fp16-00001-of-*.safetensors")))
         (self.src / WEIGHTS).unlink()
@@ -320,7 +320,7 @@ class FilesPickedAsDiffusersDoes(Workspace):
         for dtype in (None, torch.bfloat16):
             self.assert_refused_untouched(rf"tensor '{name}' is torch.int32, the model's is floating point",
                                           self.load, self.src, dtype=dtype)
-        self.assert_refused_untouched(rf"tensor '{name}' is torch.int32", surgery.convert_checkpoint, self.src,
+        self.assert_refused_untouched(rf"tensor '{name}' is torch.int32", surgery.state_dict.convert_checkpoint, self.src,
                                       self.ws / "U")
 
 
@@ -330,7 +330,7 @@ class CheckedBeforeWriting(Workspace):
         (self.src / "config.json").write_text(json.dumps({**config, "mlp_ratio": 2.0}))
         self.assert_refused_untouched(rf"'.*A/{WEIGHTS}': tensor 'single_transformer_blocks.0.attn.to_out.weight' has "
                                       r"shape \(64, 256\), the model needs \(64, 192\)",
-                                      surgery.convert_checkpoint, self.src, self.ws / "U")
+                                      surgery.state_dict.convert_checkpoint, self.src, self.ws / "U")
 
     def test_nothing_to_convert(self):
         from diffusers import AutoencoderKL
@@ -338,7 +338,7 @@ class CheckedBeforeWriting(Workspace):
         other = self.ws / "vae"
         AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4).save_pretrained(other)
         self.assert_refused_untouched("AutoencoderKL checkpoint, which has no fused modules .*nothing to convert",
-                                      surgery.convert_checkpoint, other, self.ws / "U")
+                                      surgery.state_dict.convert_checkpoint, other, self.ws / "U")
 
     def test_part_with_another_dtype(self):
         unfused = self.ws / "U"
@@ -348,23 +348,23 @@ class CheckedBeforeWriting(Workspace):
         tensors[name] = tensors[name].half()
         save_file(tensors, unfused / WEIGHTS, metadata={"format": "pt"})
         self.assert_refused_untouched(rf"tensor '{name}' is torch.float16 while its sibling parts are torch.float32",
-                                      surgery.convert_checkpoint, unfused, self.ws / "F", to="fused")
+                                      surgery.state_dict.convert_checkpoint, unfused, self.ws / "F", to="fused")
 
     def test_state_dicts_refuse_extra_rows(self):
         model = build(small_config(CONFIG), SEED)
-        slices = surgery.weight_slices(model)
+        slices = surgery.state_dict.weight_slices(model)
         fused = dict(model.state_dict())
         name = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"
         fused[name] = torch.cat([fused[name], torch.zeros(8, fused[name].shape[1])])
         snapshot = {k: v.clone() for k, v in fused.items()}
         with self.assertRaisesRegex(surgery.SurgeryError, rf"'{name}' has 584 entries along dim 0; .* cover exactly "
                                                           "576"):
-            surgery.unfuse_state_dict(fused, slices)
-        unfused = surgery.unfuse_state_dict(model.state_dict(), slices)
+            surgery.state_dict.unfuse_state_dict(fused, slices)
+        unfused = surgery.state_dict.unfuse_state_dict(model.state_dict(), slices)
         part = "single_transformer_blocks.0.attn.to_qkv_mlp_proj.v.weight"
         unfused[part] = torch.cat([unfused[part], torch.zeros(8, unfused[part].shape[1])])
         with self.assertRaisesRegex(surgery.SurgeryError, rf"'{part}' has shape \(72, 64\), the slice .* needs 64"):
-            surgery.fuse_state_dict(unfused, slices)
+            surgery.state_dict.fuse_state_dict(unfused, slices)
         self.assertTrue(all(torch.equal(fused[k], v) for k, v in snapshot.items()))
 
 
@@ -378,7 +378,7 @@ class Messages(Workspace):
 
     def assert_named(self, folder, pattern):
         self.assert_refused_untouched(pattern, lambda: checkpoint.Reader(folder).__exit__())
-        self.assert_refused_untouched(pattern, surgery.convert_checkpoint, folder, self.ws / "out")
+        self.assert_refused_untouched(pattern, surgery.state_dict.convert_checkpoint, folder, self.ws / "out")
 
     def test_truncated_file(self):
         data = (self.src / WEIGHTS).read_bytes()
@@ -468,8 +468,8 @@ class ShardedConversion(Workspace):
     def test_round_trip_through_shards(self):
         source, unfused, fused = self.ws / "S", self.ws / "U", self.ws / "F"
         build(small_config(CONFIG), SEED).save_pretrained(source, max_shard_size="120KB")  # sharded by diffusers
-        surgery.convert_checkpoint(source, unfused, max_shard_size="100KB")
-        surgery.convert_checkpoint(unfused, fused, to="fused", max_shard_size="150KB")
+        surgery.state_dict.convert_checkpoint(source, unfused, max_shard_size="100KB")
+        surgery.state_dict.convert_checkpoint(unfused, fused, to="fused", max_shard_size="150KB")
         for folder in (source, unfused, fused):
             index = json.loads((folder / INDEX).read_text())
             shards = sorted(p.name for p in folder.glob("*.safetensors"))

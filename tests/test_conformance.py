@@ -90,7 +90,7 @@ class Equivalence(unittest.TestCase):
             with torch.no_grad():
                 self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
             (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
-            got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
+            got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
             self.assertEqual(sorted(got), sorted(ref))
             for name, error in W.gradient_errors(got, ref).items():
                 self.assertLessEqual(error, W.FP32_TOL, name)
@@ -114,7 +114,7 @@ class Structure(unittest.TestCase):
         _, _, fused = W.make(family_name, config_name)
         original = copy.deepcopy(fused)
         before = dict(fused.named_parameters())
-        slices = surgery.weight_slices(fused)
+        slices = surgery.state_dict.weight_slices(fused)
         surgery.unfuse(fused)
         after = dict(fused.named_parameters())
         for s in slices:
@@ -164,14 +164,14 @@ class PlansOnly(unittest.TestCase):
     def test_nothing_to_unfuse_and_the_plans_are_diffusers(self, family_name):
         from surgery.integration.interop import diffusers_tp_plan
 
-        family = surgery.families()[family_name]
+        family = surgery.extend.families()[family_name]
         for variant in family.variants:
             model = model_on_meta(family, family.config(variant))
             snap = [(n, id(m), type(m)) for n, m in model.named_modules()]
             self.assertEqual(find_modules(model, fused=True), [], "a plans-only family fuses nothing")
-            self.assertEqual(surgery.weight_slices(model), [])
+            self.assertEqual(surgery.state_dict.weight_slices(model), [])
             surgery.unfuse(model)
-            self.assertEqual(surgery.last_report(model), [], "unfuse rewrote something")
+            self.assertEqual(surgery.core.rewrite.last_report(model), [], "unfuse rewrote something")
             self.assertEqual([(n, id(m), type(m)) for n, m in model.named_modules()], snap)
             # the plans this family registers shard exactly the Linears diffusers' own `_tp_plan` shards, alike
             self.assertIsNotNone(type(model)._tp_plan, f"{family_name}: diffusers has no plan to check against")
@@ -181,12 +181,12 @@ class PlansOnly(unittest.TestCase):
 class FullSize(unittest.TestCase):
     @parameterized.expand(VARIANTS, name_func=_name)
     def test_published_variant_rewrites_on_meta(self, family_name, variant):
-        family = surgery.families()[family_name]
+        family = surgery.extend.families()[family_name]
         model = model_on_meta(family, family.config(variant))
         count = sum(p.numel() for p in model.parameters())
         fused = len(find_modules(model, fused=True))
         surgery.unfuse(model)
-        self.assertEqual(len(surgery.last_report(model)), fused)
+        self.assertEqual(len(surgery.core.rewrite.last_report(model)), fused)
         self.assertEqual(find_modules(model, fused=True), [])
         self.assertEqual(sum(p.numel() for p in model.parameters()), count)
         surgery.fuse(model)
@@ -197,7 +197,7 @@ class FullSize(unittest.TestCase):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
 
-        family = surgery.families()[family_name]
+        family = surgery.extend.families()[family_name]
         config = family.config()
         heads = config.get("num_attention_heads", 8)
         tp = next(n for n in (8, 4, 2) if heads % n == 0)  # HunyuanImage's 28 heads split over 4 at most
@@ -253,10 +253,10 @@ class Convert(unittest.TestCase):
     @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
     def test_round_trip_through_the_unfused_layout_is_bitwise(self, family_name, config_name):
         source = Path(fused_checkpoint(family_name, config_name))
-        family = surgery.families()[family_name]
+        family = surgery.extend.families()[family_name]
         with tempfile.TemporaryDirectory() as tmp:
-            surgery.convert_checkpoint(source, f"{tmp}/unfused")
-            surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/fused", to="fused")
+            surgery.state_dict.convert_checkpoint(source, f"{tmp}/unfused")
+            surgery.state_dict.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/fused", to="fused")
             original = {}
             for file in source.glob("*.safetensors"):
                 original.update(load_file(file))

@@ -15,8 +15,9 @@ from diffusers import Flux2Transformer2DModel
 import surgery
 from surgery.core.walk import find_modules
 from flux2_testing import build, small_config
-from surgery_rewrites.flux2 import CONFIGS, example_inputs
-from surgery.sight import diagram
+from surgery_rewrites.flux2 import VARIANTS, example_inputs
+from surgery.sight import diagram, forms, svg
+from surgery.sight.graph import block_graph
 from surgery.app.cli import main
 from surgery.core.build import default_dtype
 import page_width as PW
@@ -33,7 +34,7 @@ def projections(graph):
 
 # klein-9B at full width (32 heads x 128, hidden 4096, MLP 12288) with one block of each kind: per-block graphs and
 # per-rank shapes are those of the real model, at a fraction of the planning time.
-KLEIN9B_WIDTH = dict(CONFIGS["klein-9b"], num_layers=1, num_single_layers=1)
+KLEIN9B_WIDTH = dict(VARIANTS["klein-9b"], num_layers=1, num_single_layers=1)
 
 
 def klein9b():
@@ -51,7 +52,7 @@ def klein9b_forms(module=None):
     if module not in _FORMS:
         model, inputs = klein9b()
         _FORMS[module] = (model, inputs, dict(model.named_parameters()),
-                          diagram.forms(model, inputs, module=module, tp=8))
+                          forms.forms(model, inputs, module=module, tp=8))
     return _FORMS[module]
 
 
@@ -64,9 +65,9 @@ class Reduction(unittest.TestCase):
         cls.attn = model.single_transformer_blocks[0].attn
         cls.args = (torch.randn(1, 6, 64),)
         cls.kwargs = {"image_rotary_emb": (torch.randn(6, 8), torch.randn(6, 8))}
-        cls.fused = diagram.block_graph(cls.attn, cls.args, cls.kwargs, title="fused")
+        cls.fused = block_graph(cls.attn, cls.args, cls.kwargs, title="fused")
         cls.unfused_attn = surgery.unfuse(__import__("copy").deepcopy(cls.attn))
-        cls.unfused = diagram.block_graph(cls.unfused_attn, cls.args, cls.kwargs, title="unfused")
+        cls.unfused = block_graph(cls.unfused_attn, cls.args, cls.kwargs, title="unfused")
 
     def test_fused_block(self):
         g = self.fused
@@ -201,7 +202,7 @@ class Forms(unittest.TestCase):
 
     def test_bad_module(self):
         with self.assertRaisesRegex(surgery.SurgeryError, "has no submodule 'nope'"):
-            diagram.forms(self.model, self.inputs, module="nope")
+            forms.forms(self.model, self.inputs, module="nope")
 
 
 @unittest.skipIf(model_explorer is None, "ai-edge-model-explorer is not installed")
@@ -295,7 +296,7 @@ class Commands(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         cls.config = os.path.join(cls.tmp.name, "config.json")  # klein-4B width, one block of each kind
         with open(cls.config, "w") as f:
-            json.dump(dict(CONFIGS["klein-4b"], num_layers=1, num_single_layers=1,
+            json.dump(dict(VARIANTS["klein-4b"], num_layers=1, num_single_layers=1,
                            _class_name="Flux2Transformer2DModel"), f)
 
     @classmethod
@@ -377,7 +378,7 @@ class PageWidth(unittest.TestCase):
         # the README's picture before it was stacked: 2,031 x 725 pt, side by side
         old = '<svg width="2031pt" height="725pt" viewBox="0.00 0.00 2031.00 725.00"></svg>'
         self.assertIn("2708 px wide", PW.too_wide("svg", old, PW.README_WIDTH_PX))
-        squeezed = diagram.stack_svgs([old], max_width_px=PW.README_WIDTH_PX)
+        squeezed = svg.stack_svgs([old], max_width_px=PW.README_WIDTH_PX)
         self.assertIn("too small to read", PW.too_wide("svg", squeezed, PW.README_WIDTH_PX))
 
     def test_notebook_outputs_fit(self):
@@ -416,11 +417,11 @@ class OtherFamilies(unittest.TestCase):
 
     def test_input_names_and_output_edge(self):
         for name in ("flux1", "hunyuan-video"):
-            family = surgery.families()[name]
+            family = surgery.extend.families()[name]
             config = next(iter(family.test_configs.values()))
             model = surgery.core.build.model_on_meta(family, config)
             inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
-            for graph in diagram.forms(model, inputs, tp=2):
+            for graph in forms.forms(model, inputs, tp=2):
                 with self.subTest(family=name, graph=graph.title):
                     labels = [n.label for n in graph.nodes if n.kind == "input"]
                     self.assertIn("hidden_states", labels)

@@ -4,7 +4,7 @@ Each test runs the feature on the stock (fused) model first; where stock diffuse
 with stock's own reason. Otherwise the unfused copy (`surgery.unfuse`) must accept the feature, touch the same
 modules (compiled regions, hooked modules, no-split groups, processors) and give the stock model's outputs
 (fp32 <= 1e-5, over a few denoising-like calls where the feature keeps state). A family registered later gets these
-tests with no edit (the cases come from `surgery.families()`). Plans-only families (nothing to unfuse) are skipped:
+tests with no edit (the cases come from `surgery.extend.families()`). Plans-only families (nothing to unfuse) are skipped:
 comparing a model with its own copy proves nothing.
 """
 
@@ -82,7 +82,7 @@ def stock_names(unfused, names) -> set[str]:
     """The stock modules whose parameters the unfused modules `names` hold (through the slice tables); a module
     that holds no sliced parameter keeps its own path. For features that hook each leaf (leaf-level offloading), the
     unfused model's leaves are finer than stock's by construction."""
-    to_fused = {s.unfused: s.fused for s in surgery.weight_slices(unfused)}
+    to_fused = {s.unfused: s.fused for s in surgery.state_dict.weight_slices(unfused)}
     out = set()
     for name in names:
         keys = [f"{name}.{p}" if name else p for p, _ in unfused.get_submodule(name).named_parameters(recurse=False)]
@@ -107,8 +107,8 @@ def test_regional_compile_same_regions(family_name, config_name):
 
 def test_regional_compile_runs_and_matches_stock():
     """One family through dynamo (the cheap `eager` backend): the compiled unfused blocks give stock's output."""
-    name, config_name = next((n, c) for n, c in CASES if surgery.families()[n].rewrites
-                             and getattr(surgery.families()[n].model_class, "_repeated_blocks", None))
+    name, config_name = next((n, c) for n, c in CASES if surgery.extend.families()[n].rewrites
+                             and getattr(surgery.extend.families()[n].model_class, "_repeated_blocks", None))
     family, config, stock, unfused = build(name, config_name)
     torch._dynamo.reset()
     unfused.compile_repeated_blocks(backend="eager")
@@ -352,7 +352,7 @@ def test_gradient_checkpointing(family_name, config_name):
     calls, (ref_in, ref) = on_stock("gradient checkpointing", checkpointed, stock)
     got_calls, (got_in, got) = checkpointed(unfused)
     assert len(got_calls) == len(calls) > 0, "other blocks checkpointed than on the stock model"
-    got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
+    got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
     assert sorted(got) == sorted(ref)
     for name, error in W.gradient_errors(got, ref).items():
         assert error <= TOL, name
@@ -365,7 +365,7 @@ def test_gradient_checkpointing(family_name, config_name):
 def test_save_lora_adapter_wrong_name_raises_diffusers_error(tmp_path):
     from peft import LoraConfig
 
-    _, _, stock, unfused = build("flux2", next(iter(surgery.families()["flux2"].test_configs)))
+    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].test_configs)))
     for model in (stock, unfused):
         model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["x_embedder"], init_lora_weights=False))
         with pytest.raises(ValueError, match="Adapter name foo not found in the model."):
@@ -378,7 +378,7 @@ def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, ex
     from peft import LoraConfig
     from safetensors.torch import load_file
 
-    _, _, stock, unfused = build("flux2", next(iter(surgery.families()["flux2"].test_configs)))
+    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].test_configs)))
     saved = {}
     for name, model in (("stock", stock), ("unfused", unfused)):
         torch.manual_seed(0)
@@ -401,8 +401,8 @@ TP_FEATURES = ["first_block", "taylorseer", "mag", "layer_skip"]
 def tp_results() -> list[dict]:
     """One gloo job at world 2: each family's unfused model sharded, with each feature, against the stock model with
     the same feature on one device; plus regional compile (eager backend) for one family."""
-    cases = [(n, c, TP_FEATURES) for n, c in CASES if surgery.families()[n].rewrites]
-    compile_case = next(n for n, c, _ in cases if getattr(surgery.families()[n].model_class, "_repeated_blocks", None))
+    cases = [(n, c, TP_FEATURES) for n, c in CASES if surgery.extend.families()[n].rewrites]
+    compile_case = next(n for n, c, _ in cases if getattr(surgery.extend.families()[n].model_class, "_repeated_blocks", None))
     cases = [(n, c, f + ["regional_compile"] if n == compile_case else f) for n, c, f in cases]
     return run_on_cpu_ranks(TPW.run, 2, cases)
 
@@ -410,7 +410,7 @@ def tp_results() -> list[dict]:
 @pytest.mark.parametrize("feature", TP_FEATURES + ["regional_compile"])
 @pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
 def test_feature_under_tensor_parallel(family_name, config_name, feature):
-    if not surgery.families()[family_name].rewrites:
+    if not surgery.extend.families()[family_name].rewrites:
         pytest.skip(f"{family_name} is a plans-only family: unfuse changes no module, nothing to compare")
     results = tp_results()
     key = f"{family_name}/{feature}"

@@ -165,12 +165,12 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         base = build(config, 3)
         kw = inputs(config, 3)
         unfused = surgery.unfuse(copy.deepcopy(base))
-        targets = surgery.lora_target_modules(unfused, STOCK_TARGETS)
+        targets = surgery.lora.lora_target_modules(unfused, STOCK_TARGETS)
         self.assertIn("single_transformer_blocks.0.attn.to_out.mlp_part", targets)
         stock_model = add_random_adapter(copy.deepcopy(base), "x", 0)
         add_random_adapter(unfused, "x", 4, targets=targets, rank=4, alpha=8)
         # the same stock layers get an adapter: map each unfused LoRA layer back to the stock layer it is part of
-        stock_of = {s.unfused.rsplit(".", 1)[0]: s.fused.rsplit(".", 1)[0] for s in surgery.weight_slices(unfused)}
+        stock_of = {s.unfused.rsplit(".", 1)[0]: s.fused.rsplit(".", 1)[0] for s in surgery.state_dict.weight_slices(unfused)}
         lora_layers = lambda m: {n for n, mod in m.named_modules() if hasattr(mod, "lora_A")}  # noqa: E731
         self.assertEqual({stock_of.get(n, n) for n in lora_layers(unfused)}, lora_layers(stock_model))
 
@@ -183,7 +183,7 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
             self.assertLessEqual(rel_err(forward(stock, kw), forward(unfused, kw)), FP32_TOL)
             self.assertIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj", stock.peft_config["x"].target_modules)
 
-            layers, metadata = surgery.stock_lora_adapter(unfused, "x")
+            layers, metadata = surgery.lora.stock_lora_adapter(unfused, "x")
             Flux2Pipeline.save_lora_weights(folder / "pipe", transformer_lora_layers=layers,
                                             transformer_lora_adapter_metadata=metadata)
             again = copy.deepcopy(base)
@@ -198,7 +198,7 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
         base = build(config, 3)
         kw = inputs(config, 3)
         trained = surgery.unfuse(copy.deepcopy(base))
-        add_random_adapter(trained, "x", 4, targets=surgery.lora_target_modules(trained, STOCK_TARGETS))
+        add_random_adapter(trained, "x", 4, targets=surgery.lora.lora_target_modules(trained, STOCK_TARGETS))
         layers = get_peft_model_state_dict(trained, adapter_name="x")
         # the unfused names, which no stock model has: the adapter is loaded as it is, not split
         self.assertIn("single_transformer_blocks.0.attn.to_out.attn_part.lora_A.weight", layers)
@@ -221,19 +221,60 @@ class AdapterTrainedOnUnfusedModel(unittest.TestCase):
     def test_stock_targets_that_match_nothing_are_refused(self):
         unfused = surgery.unfuse(build(small_config("klein9b_small"), 0))
         with self.assertRaisesRegex(surgery.SurgeryError, "selects no Linear"):
-            surgery.lora_target_modules(unfused, ["to_nothing"])
+            surgery.lora.lora_target_modules(unfused, ["to_nothing"])
+
+
+class AdapterWhosePartsScaleDifferently(unittest.TestCase):
+    """An adapter trained on the unfused model whose parts of one stock module have their own alpha or rank, or use
+    rsLoRA (alpha / sqrt(r)), published with `stock_lora_adapter`: the stock model that loads it gives the same
+    output. The parts' scales are what the stock file must carry (in alpha_pattern or folded into lora_B)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.config = small_config("klein9b_small")
+        cls.base = build(cls.config, 3)
+        cls.kw = inputs(cls.config, 3)
+
+    def published_and_reloaded(self, **lora):
+        from surgery.integration.lora import lora_target_modules, stock_lora_adapter
+
+        unfused = surgery.unfuse(copy.deepcopy(self.base))
+        add_random_adapter(unfused, "x", 5, targets=lora_target_modules(unfused, STOCK_TARGETS), **lora)
+        layers, metadata = stock_lora_adapter(unfused, "x")
+        folder = Path(tempfile.mkdtemp(prefix="surgery-lora-"))
+        try:
+            Flux2Pipeline.save_lora_weights(folder, transformer_lora_layers=layers,
+                                            transformer_lora_adapter_metadata=metadata)
+            stock = copy.deepcopy(self.base)
+            load_like_a_pipeline(stock, folder, "x")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.assertIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj", stock.peft_config["x"].target_modules)
+        # the adapter moves the output well beyond the tolerance, so a wrong scale cannot hide
+        self.assertGreater(rel_err(forward(unfused, self.kw), forward(self.base, self.kw)), 1e-2)
+        self.assertLessEqual(rel_err(forward(stock, self.kw), forward(unfused, self.kw)), FP32_TOL)
+
+    def test_parts_with_their_own_alpha(self):
+        # the single block's q and the double block's to_k differ from their siblings in one fused module each
+        self.published_and_reloaded(alpha_pattern={"to_qkv_mlp_proj.q": 32, "attn.to_k": 2})
+
+    def test_parts_with_their_own_rank(self):
+        self.published_and_reloaded(rank_pattern={"to_qkv_mlp_proj.gate": 2, "attn.to_v": 6})
+
+    def test_rslora(self):
+        self.published_and_reloaded(use_rslora=True, rank=16, alpha=8)
 
 
 class SplitFunction(unittest.TestCase):
     def setUp(self):
         self.base = build(small_config("klein4b_small"), 0)
-        self.slices = surgery.weight_slices(self.base)
+        self.slices = surgery.state_dict.weight_slices(self.base)
         model = add_random_adapter(copy.deepcopy(self.base), "a", 0)
         self.adapter = get_peft_model_state_dict(model, adapter_name="a")
 
     def test_prefixed_keys_are_split_and_keep_their_prefix(self):
-        plain = surgery.unfuse_lora_state_dict(self.adapter, self.slices)
-        prefixed = surgery.unfuse_lora_state_dict(
+        plain = surgery.lora.unfuse_lora_state_dict(self.adapter, self.slices)
+        prefixed = surgery.lora.unfuse_lora_state_dict(
             {**{f"transformer.{k}": v for k, v in self.adapter.items()}, "text_encoder.x.lora_A.weight": torch.ones(1)},
             self.slices,
         )
@@ -243,11 +284,11 @@ class SplitFunction(unittest.TestCase):
 
     def test_an_adapter_on_no_fused_module_is_refused(self):
         with self.assertRaisesRegex(surgery.SurgeryError, "none of the adapter's"):
-            surgery.unfuse_lora_state_dict({"foo.to_q.lora_A.weight": torch.ones(1, 1),
+            surgery.lora.unfuse_lora_state_dict({"foo.to_q.lora_A.weight": torch.ones(1, 1),
                                             "foo.to_q.lora_B.weight": torch.ones(1, 1)}, self.slices)
-        split = surgery.unfuse_lora_state_dict(self.adapter, self.slices)
+        split = surgery.lora.unfuse_lora_state_dict(self.adapter, self.slices)
         with self.assertRaisesRegex(surgery.SurgeryError, "already in the unfused layout"):
-            surgery.unfuse_lora_state_dict(split, self.slices)
+            surgery.lora.unfuse_lora_state_dict(split, self.slices)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Drift: every edit `surgery.core.leaves` makes to a diffusers method still finds its text in the installed diffusers.
 
 No diffusers forward or processor is copied into this repository: the twins are the installed stock source with the
-edits listed in `surgery.core.leaves.EDITS` (one place). When a diffusers release changes an original, its edit no longer
+processor rule's edits or those listed in `surgery.core.leaves.EDITS` (`surgery.core.leaves.edits_for`). When a diffusers release changes an original, its edit no longer
 fits and this test names it, instead of a frozen copy silently diverging.
 """
 
@@ -21,10 +21,13 @@ def _owner(key: str):
 
 
 class Drift(unittest.TestCase):
-    def test_every_listed_edit_fits_the_installed_source_exactly(self):
-        surgery.registered()  # builds every family's twins
-        for key, edits in leaves.EDITS.items():
+    def test_every_edit_fits_the_installed_source_exactly(self):
+        surgery.core.registry.registered()  # builds every family's twins
+        keys = {**leaves.EDITS, **{f"{leaves.qualified(stock)}.{'__call__' if '__call__' in vars(twin) else 'forward'}":
+                                   None for stock, twin in leaves._twins.items()}}
+        for key in keys:
             stock, method = _owner(key)
+            edits = leaves.edits_for(stock, method)
             source = textwrap.dedent(inspect.getsource(getattr(stock, method)))
             for old, new, count in edits:
                 self.assertEqual(source.count(old), count, f"{key}: {old!r}")
@@ -36,12 +39,28 @@ class Drift(unittest.TestCase):
             self.assertEqual(undone, source, key)
             self.assertNotEqual(edited, source, key)
 
-    def test_every_twin_in_use_is_built_from_a_listed_edit(self):
-        surgery.registered()
+    def test_every_twin_in_use_is_built_from_the_rule_or_a_listed_edit(self):
+        surgery.core.registry.registered()
         for stock, twin in leaves._twins.items():
             method = "__call__" if "__call__" in vars(twin) else "forward"
-            self.assertIn(f"{leaves.qualified(stock)}.{method}", leaves.EDITS)
+            self.assertIsNotNone(leaves.edits_for(stock, method), leaves.qualified(stock))
             self.assertTrue(issubclass(twin, stock))
+
+    def test_the_rule_reads_every_use_of_the_head_count(self):
+        # a processor that reads attn.heads besides (attn.heads, -1): the rule does not apply, and no twin is built
+        from diffusers.models.attention_processor import AttnProcessor2_0
+        from diffusers.models.transformers.transformer_flux3 import Flux3AttnProcessor
+
+        self.assertIsNone(leaves.rule_edits(AttnProcessor2_0))
+        self.assertEqual(leaves.rule_edits(Flux3AttnProcessor), ((leaves.HEADS_BY_COUNT, leaves.HEAD_DIM, 3),))
+
+        class Odd(Flux3AttnProcessor):
+            def __call__(self, attn, hidden_states):
+                return hidden_states.unflatten(-1, (attn.heads, -1)).mean(-2) * attn.heads
+
+        self.assertIsNone(leaves.rule_edits(Odd))
+        with self.assertRaisesRegex(SurgeryError, "Odd.__call__ reshapes by no"):
+            leaves.edited_source(Odd)
 
     def test_a_changed_original_is_refused_by_name(self):
         key = next(iter(leaves.EDITS))

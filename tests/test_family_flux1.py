@@ -49,7 +49,7 @@ class FusedQKV(unittest.TestCase):
             self.assertEqual(find_modules(unfused, fused=True), [])
             self.assertLessEqual(rel_err(W.output(unfused, kw), expected), W.FP32_TOL)
             # checkpoints never hold to_qkv: the key map leaves q/k/v keys as they are
-            self.assertFalse(any("qkv" in s.fused for s in surgery.weight_slices(unfused)))
+            self.assertFalse(any("qkv" in s.fused for s in surgery.state_dict.weight_slices(unfused)))
 
             back = surgery.fuse(unfused)
         self.assertEqual([(n, type(m)) for n, m in back.named_modules()],

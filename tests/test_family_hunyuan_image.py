@@ -39,7 +39,7 @@ def sharded_case(rank: int, world: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (_, ref), (_, tp) = W.gradients(fused, kw, 3), W.gradients(model, kw, 3)
-    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model))
+    tp = surgery.state_dict.fuse_state_dict(tp, surgery.state_dict.weight_slices(model))
     return {"forward": forward, "collectives": dict(counter.counts), "grads": max(grad_errors(ref, tp).values())}
 
 
@@ -53,7 +53,7 @@ class TokenRefiner(unittest.TestCase):
         with torch.no_grad():
             self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
         (_, ref), (_, got) = W.gradients(fused, kw, 1), W.gradients(unfused, kw, 1)
-        got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
+        got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
         self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_TOL)
 
     def test_sharded_with_refiner_matches_single_device_fused_model(self):

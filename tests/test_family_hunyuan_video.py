@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import conformance_worker as W
 import surgery
 from surgery.core.leaves import head_dim_twin
-from surgery.parallel.tensor_parallel import validate
+from surgery.parallel.plans import check_plan
 
 HunyuanVideoHeadDimAttnProcessor = head_dim_twin(HunyuanVideoAttnProcessor2_0)
 HunyuanVideoHeadDimRefinerAttnProcessor = head_dim_twin(AttnProcessor2_0)
@@ -47,7 +47,7 @@ def sharded_case(rank: int, world: int, config_name: str, seed: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (ref_in, ref), (got_in, got) = W.gradients(fused, kw, seed), W.gradients(model, kw, seed)
-    got = surgery.fuse_state_dict(got, surgery.weight_slices(model))
+    got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(model))
     return {
         "forward": forward,
         "collectives": dict(counter.counts),
@@ -83,7 +83,7 @@ class Equivalence(unittest.TestCase):
             (_, ref), (_, got) = W.gradients(fused, kw, 0), W.gradients(unfused, kw, 0)
             weight = ref[REFINER_KEY_BIAS.replace("bias", "weight")].abs().max()
             self.assertLess(ref[REFINER_KEY_BIAS].abs().max(), 1e-5 * weight, name)
-            errors = gradient_errors(surgery.fuse_state_dict(got, surgery.weight_slices(unfused)), ref)
+            errors = gradient_errors(surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused)), ref)
             self.assertLessEqual(max(errors.values()), W.FP32_TOL, name)
 
 
@@ -102,7 +102,7 @@ class Processors(unittest.TestCase):
 
         model.single_transformer_blocks[0].attn.set_processor(HunyuanVideoAttnProcessor2_0())  # a stock one
         with self.assertRaisesRegex(surgery.SurgeryError, "still a fused"):  # sharding it would be wrong: refused
-            validate(model, [], 2)  # what tensor_parallel checks first
+            check_plan(model, [], 2)  # what tensor_parallel checks first
         surgery.unfuse(model)  # swaps just that processor
         self.assertIs(type(model.single_transformer_blocks[0].attn.processor), HunyuanVideoHeadDimAttnProcessor)
 

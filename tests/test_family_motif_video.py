@@ -37,7 +37,7 @@ def sharded_case(rank: int, world: int) -> dict:
     with torch.no_grad(), CollectiveCounter() as counter:
         forward = rel_err(W.output(model, kw), W.output(fused, kw))
     (ref_in, ref), (tp_in, tp) = W.gradients(fused, kw, 5), W.gradients(model, kw, 5)
-    tp = surgery.fuse_state_dict(tp, surgery.weight_slices(model))
+    tp = surgery.state_dict.fuse_state_dict(tp, surgery.state_dict.weight_slices(model))
     return {
         "forward": forward,
         "collectives": dict(counter.counts),
@@ -57,7 +57,7 @@ class SingleBlockCrossAttention(unittest.TestCase):
             with torch.no_grad():
                 self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
             (_, ref), (_, got) = W.gradients(fused, kw, seed), W.gradients(unfused, kw, seed)
-            got = surgery.fuse_state_dict(got, surgery.weight_slices(unfused))
+            got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
             self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_TOL)
 
     def test_sharded_matches_single_device_fused_model(self):

@@ -23,7 +23,7 @@ from surgery.testing import seeded_model
 class QwenImagePlans(unittest.TestCase):
     def test_plans_cover_exactly_the_linears_of_diffusers_tp_plan(self):
         for name in ("qwen-image", "qwen-image-2.1"):
-            family = surgery.families()[name]
+            family = surgery.extend.families()[name]
             for variant in family.variants:
                 model = model_on_meta(family, family.config(variant))
                 self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{name}-{variant}")
@@ -31,7 +31,7 @@ class QwenImagePlans(unittest.TestCase):
     def test_attention_with_a_processor_that_reshapes_by_global_heads_stays_whole(self):
         from torch.distributed.tensor import DTensor
 
-        family = surgery.families()["qwen-image"]
+        family = surgery.extend.families()["qwen-image"]
         model = seeded_model(family, family.test_configs["tp_small"])
         model.transformer_blocks[1].attn.set_processor(AttnProcessor2_0())
         with fake_process_group(2):
@@ -41,12 +41,12 @@ class QwenImagePlans(unittest.TestCase):
         self.assertIsInstance(model.transformer_blocks[1].img_mlp.net[0].proj.weight, DTensor)
 
     def test_qwen_image_2_1_refuses_a_meta_forward_with_the_reason(self):
-        family = surgery.families()["qwen-image-2.1"]
+        family = surgery.extend.families()["qwen-image-2.1"]
         with self.assertRaisesRegex(surgery.SurgeryError, "meta device"):
             family.example_inputs(family.config(), device="meta")
 
     def test_edit_2511_inputs_hold_a_target_and_a_condition_image(self):
-        family = surgery.families()["qwen-image"]
+        family = surgery.extend.families()["qwen-image"]
         config = family.test_configs["edit2511_small"]
         kw = family.example_inputs(config, batch=2, image_tokens=16)
         self.assertEqual(kw["img_shapes"], [[(1, 2, 4), (1, 2, 4)]] * 2)

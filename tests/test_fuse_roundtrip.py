@@ -33,7 +33,7 @@ class RoundTrip(unittest.TestCase):
         before = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj.weight.data_ptr()
         surgery.fuse(surgery.unfuse(model))
         self.assertEqual(model.single_transformer_blocks[0].attn.to_qkv_mlp_proj.weight.data_ptr(), before)
-        ff_records = [r for r in surgery.last_report(model) if r.before.startswith("Flux2FeedForward")]
+        ff_records = [r for r in surgery.core.rewrite.last_report(model) if r.before.startswith("Flux2FeedForward")]
         self.assertTrue(ff_records and all(r.bytes_copied == 0 for r in ff_records))
 
     def test_fuse_on_a_never_unfused_model_is_a_no_op(self):
@@ -55,7 +55,7 @@ class RoundTrip(unittest.TestCase):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model(**inputs(config), return_dict=False)[0].square().mean().backward()
         optimizer.step()
-        expected = surgery.fuse_state_dict(model.state_dict(), surgery.weight_slices(model))
+        expected = surgery.state_dict.fuse_state_dict(model.state_dict(), surgery.state_dict.weight_slices(model))
         surgery.fuse(model, optimizer=optimizer)  # it holds the parts: pass it or be refused
         assert_same_state(self, model.state_dict(), {k: expected[k] for k in model.state_dict()})
         stock = model.single_transformer_blocks[1].attn
@@ -93,19 +93,19 @@ class RoundTrip(unittest.TestCase):
 class StateDictMapping(unittest.TestCase):
     def test_key_map_is_the_same_from_either_form(self):
         model = build(small_config("fractional_mlp"))
-        fused_map = surgery.weight_slices(model)
+        fused_map = surgery.state_dict.weight_slices(model)
         surgery.unfuse(model)
-        self.assertEqual(surgery.weight_slices(model), fused_map)
+        self.assertEqual(surgery.state_dict.weight_slices(model), fused_map)
 
     def test_both_ways_bitwise_and_matching_the_modules(self):
         config = small_config("klein4b_small")
         fused, unfused = fused_and_copy(config, seed=2)
-        slices = surgery.weight_slices(fused)
+        slices = surgery.state_dict.weight_slices(fused)
         surgery.unfuse(unfused)
-        converted = surgery.unfuse_state_dict(fused.state_dict(), slices)
+        converted = surgery.state_dict.unfuse_state_dict(fused.state_dict(), slices)
         assert_same_state(self, {k: converted[k] for k in unfused.state_dict()}, unfused.state_dict())
         self.assertEqual(converted.keys(), unfused.state_dict().keys())
-        back = surgery.fuse_state_dict(converted, slices)
+        back = surgery.state_dict.fuse_state_dict(converted, slices)
         assert_same_state(self, {k: back[k] for k in fused.state_dict()}, fused.state_dict())
 
     def test_unfused_state_dict_saves_as_safetensors(self):
@@ -121,4 +121,4 @@ class StateDictMapping(unittest.TestCase):
         state = model.state_dict()
         del state["single_transformer_blocks.2.attn.to_out.weight"]
         with self.assertRaisesRegex(KeyError, "single_transformer_blocks.2.attn.to_out.weight"):
-            surgery.unfuse_state_dict(state, surgery.weight_slices(model))
+            surgery.state_dict.unfuse_state_dict(state, surgery.state_dict.weight_slices(model))

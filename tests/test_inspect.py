@@ -9,7 +9,7 @@ from parameterized import parameterized
 
 import surgery
 from flux2_testing import build, small_config
-from surgery_rewrites.flux2 import CONFIGS
+from surgery_rewrites.flux2 import VARIANTS
 from surgery.sight import report, render
 from surgery.app.cli import main
 
@@ -71,7 +71,7 @@ class Graphs(unittest.TestCase):
 
         with report.fake_process_group(8):
             with torch.device("meta"):
-                model = Flux2Transformer2DModel(**CONFIGS["klein-9b"])
+                model = Flux2Transformer2DModel(**VARIANTS["klein-9b"])
             surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (8,)), src_data_rank=None)
             x = torch.empty(1, 64, 4096, device="meta")
             trace = report.module_trace(model.single_transformer_blocks[0].attn, x,
@@ -107,7 +107,7 @@ def _config_file(name: str) -> str:
     import json
     import tempfile
 
-    config = dict(CONFIGS["klein-9b"], _class_name="Flux2Transformer2DModel")
+    config = dict(VARIANTS["klein-9b"], _class_name="Flux2Transformer2DModel")
     config.update(_BAD_CONFIGS[name])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(config, f)
@@ -116,7 +116,7 @@ def _config_file(name: str) -> str:
 
 class Commands(unittest.TestCase):
     def test_plan(self):
-        code, out, _ = run("plan", "--model", "klein-4b", "--tp", "4", "--image-tokens", "256", "--text-tokens", "64")
+        code, out, _ = run("plan", "--model", "flux2-klein-4b", "--tp", "4", "--image-tokens", "256", "--text-tokens", "64")
         self.assertEqual(code, 0)
         self.assertIn("tensor parallel 4", out)
         self.assertIn("heads per rank: rank 0: 0-5", out)
@@ -128,14 +128,14 @@ class Commands(unittest.TestCase):
         self.assertIn("columns 6144:24576", out)
 
     @parameterized.expand([
-        (["plan", "--model", "klein-9b", "--tp", "5"], 1, "has 32 attention heads, which a mesh of 5 cannot split"),
+        (["plan", "--model", "flux2-klein-9b", "--tp", "5"], 1, "has 32 attention heads, which a mesh of 5 cannot split"),
         (["plan", "--config", "/nonexistent/config.json", "--tp", "2"], 1, "--config /nonexistent/config.json"),
         (["plan", "--config", "@unknown_key", "--tp", "2"], 1, "takes no argument 'frobnication'"),
         (["plan", "--config", "@zero_heads", "--tp", "2"], 1, "num_attention_heads=0; it must be at least 1"),
         (["inspect", "--config", "@negative_heads"], 1, "num_attention_heads=-4; it must be at least 1"),
         (["inspect", "--config", "@other_family"], 1, "_class_name 'UNet2DConditionModel' is no registered family"),
         (["plan", "--model", "flux1-schnell-xl", "--tp", "2"], 2, "invalid choice"),
-        (["plan", "--model", "klein-9b"], 2, "the following arguments are required: --tp"),
+        (["plan", "--model", "flux2-klein-9b"], 2, "the following arguments are required: --tp"),
     ])
     def test_bad_arguments(self, args, code, message):
         args = [_config_file(a[1:]) if a.startswith("@") else a for a in args]

@@ -20,8 +20,9 @@ LAYERS = (
     ("parallel", ("surgery.parallel",)),
     ("io", ("surgery.io",)),
     ("integration", ("surgery.integration",)),
+    ("extend", ("surgery.extend",)),  # what a family imports: the extension surface, one module
     ("families", ("surgery_rewrites",)),
-    ("api", ("surgery",)),  # the facade, surgery/__init__.py: the public verbs
+    ("api", ("surgery", "surgery.lora", "surgery.state_dict")),  # the public verbs and modules
     ("testing", ("surgery.testing",)),
     ("sight", ("surgery.sight",)),
     ("app", ("surgery.app", "surgery.__main__")),
@@ -37,8 +38,8 @@ LAZY_ALLOWED = {
     "IPython": "there only inside a notebook",
 }
 
-# The families are data on top of the rewrite core and the stock styles: nothing of io, integration or above.
-FAMILIES_MAY_IMPORT = {"core", "parallel", "families"}
+# The families are data written on the extension surface alone (`surgery.extend`), and on each other.
+FAMILIES_MAY_IMPORT = {"extend", "families"}
 
 
 def modules() -> dict[str, Path]:
@@ -140,7 +141,7 @@ class Layers(unittest.TestCase):
                                   f"({LAYERS[layer_of(name)][0]} -> {LAYERS[layer_of(target)][0]})")
         self.assertEqual(upward, [])
 
-    def test_families_import_only_the_core_and_parallel(self):
+    def test_families_import_only_the_extension_surface(self):
         allowed = {i for i, (layer, _) in enumerate(LAYERS) if layer in FAMILIES_MAY_IMPORT}
         wrong = [f"{name}:{line} imports {target}" for name, edges in graph().items()
                  if name.startswith("surgery_rewrites") for target, line, _ in edges if layer_of(target) not in allowed]
@@ -220,26 +221,25 @@ class InstalledNames(unittest.TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("surgery_rewrites", result.stderr)
 
-    def test_moved_module_paths_still_resolve_with_a_warning(self):
-        import surgery
-        from surgery.sight import report
-
-        with self.assertWarnsRegex(DeprecationWarning, "surgery.sight.report"):
-            self.assertIs(surgery.inspect, report)
-        code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-                "try:\n    from surgery.inspect import rewrite_table\nexcept DeprecationWarning as w:\n    print(w)\n"
-                "warnings.simplefilter('ignore')\nfrom surgery.inspect import rewrite_table\n"
-                "import surgery.registry, surgery.sight.report\n"
-                "print(rewrite_table is surgery.sight.report.rewrite_table, surgery.registry.families is not None)")
+    def test_one_name_per_thing_no_old_paths(self):
+        """Nothing has shipped: no module aliases, no renamed fields, no short model names."""
         import subprocess
         import sys
 
-        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-        self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertEqual(result.stdout.split("\n")[:2],
-                         ["surgery.inspect moved to surgery.sight.report; import it from there.", "True True"])
-        with self.assertWarnsRegex(DeprecationWarning, "weight_slices"):
-            surgery.key_map(__import__("torch").nn.Linear(2, 2))
+        import surgery
+        from surgery.extend import Family
+
+        self.assertEqual(sorted(surgery.__all__), sorted([
+            "unfuse", "fuse", "tensor_parallel", "load_tensor_parallel", "save_pretrained", "context_parallel",
+            "tensor_parallel_pipeline", "SurgeryError"]))
+        for old in ("key_map", "weight_slices", "register_family", "shard_lora", "inspect", "registry"):
+            self.assertFalse(hasattr(surgery, old), old)
+        with self.assertRaises(TypeError):
+            Family(name="x", model_class=None, reduced=lambda c: c)
+        self.assertFalse(hasattr(Family, "aliases"))
+        result = subprocess.run([sys.executable, "-c", "import surgery.inspect"], cwd=ROOT, capture_output=True,
+                                text=True)
+        self.assertIn("No module named 'surgery.inspect'", result.stderr)
 
 
 if __name__ == "__main__":

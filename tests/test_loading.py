@@ -63,7 +63,7 @@ def hub_cache() -> str:
 @functools.lru_cache(maxsize=None)
 def unfused_layout() -> str:
     folder = ROOT / "unfused-layout"
-    surgery.convert_checkpoint(checkpoint("tp_wide-fp32-single"), folder)
+    surgery.state_dict.convert_checkpoint(checkpoint("tp_wide-fp32-single"), folder)
     return str(folder)
 
 
@@ -111,7 +111,7 @@ class Convert(unittest.TestCase):
     def test_round_trip_is_bitwise(self):
         source = checkpoint("klein9b-bf16-sharded")
         with tempfile.TemporaryDirectory() as tmp:
-            surgery.convert_checkpoint(source, f"{tmp}/unfused")
+            surgery.state_dict.convert_checkpoint(source, f"{tmp}/unfused")
             self.assertEqual(surgery_main(["convert", f"{tmp}/unfused", f"{tmp}/fused", "--to", "fused"]), 0)
             original = build(small_config("klein9b_small"), 4, torch.bfloat16).state_dict()
             back = load_file(f"{tmp}/fused/diffusion_pytorch_model.safetensors")
@@ -122,7 +122,7 @@ class Convert(unittest.TestCase):
             model = surgery.unfuse(build(small_config("klein9b_small"), 4, torch.bfloat16))
             self.assertEqual(unfused.keys(), model.state_dict().keys())
             with self.assertRaisesRegex(surgery.SurgeryError, "already in the unfused layout"):
-                surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/again")
+                surgery.state_dict.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/again")
 
 
 class BadCheckpoints(unittest.TestCase):
@@ -224,9 +224,9 @@ class PastFourGiB(unittest.TestCase):
             for result in run_on_cpu_ranks(load_worker.compare_all, 2, [(str(sparse), "tp_wide", 3, "float32")])[0]:
                 self.assertEqual(result["mismatched"], [])
                 self.assertLessEqual(result["forward"], FP32_TOL)
-            surgery.convert_checkpoint(sparse, f"{tmp}/unfused")
-            surgery.convert_checkpoint(source, f"{tmp}/unfused-reference")
-            surgery.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/fused", to="fused")
+            surgery.state_dict.convert_checkpoint(sparse, f"{tmp}/unfused")
+            surgery.state_dict.convert_checkpoint(source, f"{tmp}/unfused-reference")
+            surgery.state_dict.convert_checkpoint(f"{tmp}/unfused", f"{tmp}/fused", to="fused")
             for got, want in ((f"{tmp}/unfused", f"{tmp}/unfused-reference"), (f"{tmp}/fused", source)):
                 got = load_file(f"{got}/diffusion_pytorch_model.safetensors")
                 want = load_file(f"{want}/diffusion_pytorch_model.safetensors")

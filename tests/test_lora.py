@@ -49,15 +49,15 @@ class SplitAdapter(unittest.TestCase):
         base = build(config, seed)
         fused = with_random_lora(copy.deepcopy(base), FUSED_TARGETS, seed)
         adapter = get_peft_model_state_dict(fused)
-        slices = surgery.weight_slices(base)
-        split = surgery.unfuse_lora_state_dict(adapter, slices)
+        slices = surgery.state_dict.weight_slices(base)
+        split = surgery.lora.unfuse_lora_state_dict(adapter, slices)
         self.assertIn("single_transformer_blocks.0.attn.to_out.mlp_part.lora_A.weight", split)
         self.assertNotIn("single_transformer_blocks.0.attn.to_qkv_mlp_proj.lora_A.weight", split)
         unfused = load_adapter(surgery.unfuse(copy.deepcopy(base)), split)
         kw = inputs(config, seed)
         self.assertLessEqual(rel_err(forward(unfused, kw), forward(fused, kw)), 1e-5)
 
-        back = surgery.fuse_lora_state_dict(split, slices)
+        back = surgery.lora.fuse_lora_state_dict(split, slices)
         self.assertEqual(back.keys(), adapter.keys())
         for key, value in adapter.items():
             self.assertTrue(torch.equal(back[key], value), key)
@@ -65,11 +65,11 @@ class SplitAdapter(unittest.TestCase):
     def test_adapter_trained_after_the_split_joins_exactly(self):
         config = small_config("klein9b_small")
         base = build(config, 3)
-        slices = surgery.weight_slices(base)
+        slices = surgery.state_dict.weight_slices(base)
         targets = [f"single_transformer_blocks.1.attn.to_qkv_mlp_proj.{p}" for p in ("q", "k", "v", "gate", "up")] + [
             "single_transformer_blocks.1.attn.to_out.attn_part", "single_transformer_blocks.1.attn.to_out.mlp_part"]
         unfused = with_random_lora(surgery.unfuse(copy.deepcopy(base)), targets, 4)  # independent factors per part
-        joined = surgery.fuse_lora_state_dict(get_peft_model_state_dict(unfused), slices)
+        joined = surgery.lora.fuse_lora_state_dict(get_peft_model_state_dict(unfused), slices)
         self.assertEqual(joined["single_transformer_blocks.1.attn.to_qkv_mlp_proj.lora_A.weight"].shape[0], 4 * 5)
         fused = load_adapter(copy.deepcopy(base), joined)
         kw = inputs(config, 3)
@@ -79,7 +79,7 @@ class SplitAdapter(unittest.TestCase):
         config = small_config("dev_small")
         base = build(config, 5)
         fused = with_random_lora(copy.deepcopy(base), FUSED_TARGETS, 5)
-        split = surgery.unfuse_lora_state_dict(get_peft_model_state_dict(fused), surgery.weight_slices(base))
+        split = surgery.lora.unfuse_lora_state_dict(get_peft_model_state_dict(fused), surgery.state_dict.weight_slices(base))
         unfused = load_adapter(surgery.unfuse(copy.deepcopy(base)), split)
         fused.fuse_lora()
         fused.unload_lora()
@@ -92,15 +92,15 @@ class SplitAdapter(unittest.TestCase):
             torch.testing.assert_close(merged[key], value, rtol=1e-6, atol=1e-7, msg=key)
 
     def test_dora_is_refused_on_split_modules_only(self):
-        slices = [surgery.Slice("qkv.weight", "q.weight", 0, 0, 2), surgery.Slice("qkv.weight", "k.weight", 0, 2, 4)]
+        slices = [surgery.extend.Slice("qkv.weight", "q.weight", 0, 0, 2), surgery.extend.Slice("qkv.weight", "k.weight", 0, 2, 4)]
         factors = {"qkv.lora_A.weight": torch.ones(1, 3), "qkv.lora_B.weight": torch.ones(4, 1)}
         with self.assertRaisesRegex(surgery.SurgeryError, "DoRA magnitudes"):
-            surgery.unfuse_lora_state_dict({**factors, "qkv.lora_magnitude_vector": torch.ones(4)}, slices)
+            surgery.lora.unfuse_lora_state_dict({**factors, "qkv.lora_magnitude_vector": torch.ones(4)}, slices)
         # a DoRA magnitude or LoRA bias on a module that unfuse never touches passes through, both ways
         extra = {"out.lora_magnitude_vector": torch.ones(3), "out.lora_B.bias": torch.ones(3)}
-        split = surgery.unfuse_lora_state_dict({**factors, **extra}, slices)
+        split = surgery.lora.unfuse_lora_state_dict({**factors, **extra}, slices)
         self.assertEqual(sorted(split), sorted(["k.lora_A.weight", "k.lora_B.weight", "q.lora_A.weight",
                                                 "q.lora_B.weight", *extra]))
-        self.assertEqual(sorted(surgery.fuse_lora_state_dict(split, slices)), sorted([*factors, *extra]))
+        self.assertEqual(sorted(surgery.lora.fuse_lora_state_dict(split, slices)), sorted([*factors, *extra]))
         with self.assertRaisesRegex(surgery.SurgeryError, "DoRA magnitudes"):
-            surgery.fuse_lora_state_dict({**split, "q.lora_B.bias": torch.ones(2)}, slices)
+            surgery.lora.fuse_lora_state_dict({**split, "q.lora_B.bias": torch.ones(2)}, slices)

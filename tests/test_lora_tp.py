@@ -75,6 +75,8 @@ class AdaptersOnAShardedModel(unittest.TestCase):
             "refuse: another width": r"(another model or config|another width)",
             "refuse: targets that do not exist": r"single_transformer_blocks\.99\..*not a module of this",
             "refuse: corrupt file (on rank 0 only)": r"rank 0: cannot read the adapter file .*\(rank 1 stopped with it\)",
+            "refuse: DoRA": r"^Flux2?Transformer2DModel.add_adapter: DoRA is not supported on a sharded model; .*use plain "
+                            r"LoRA \(use_dora=False\) on the sharded model.$",
         }
         for rank, result in enumerate(results()):
             for family in FAMILIES:

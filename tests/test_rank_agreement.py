@@ -47,6 +47,25 @@ class Agreement(unittest.TestCase):
                     self.assertTrue(r[case]["intact"], f"rank {rank}: model changed")
                     self.assertEqual(r[case]["leftovers"], [], f"rank {rank}")
 
+    def test_ranks_in_different_verbs_name_each_other(self):
+        called = ["tensor_parallel", "save_pretrained"]
+        for rank, r in enumerate(results()):
+            with self.subTest(rank=rank):
+                self.assertEqual(r["verbs"]["error"],
+                                 f"surgery.{called[rank]}: rank {1 - rank} called surgery.{called[1 - rank]} where this "
+                                 f"rank called surgery.{called[rank]}: every rank must call surgery's collective verbs "
+                                 "in the same order.")
+                self.assertLess(r["verbs"]["seconds"], PROMPT_S)
+                self.assertEqual(r["verbs"]["collectives"], {"allgather_": 2})  # the verdict exchange, nothing after
+
+    def test_shard_lora_on_one_rank_raises_there_naming_the_other(self):
+        alone = results()[0]["shard_lora_alone"]
+        self.assertRegex(alone["error"] or "", r"^surgery.lora.shard_lora: rank 1 did not call surgery.lora.shard_lora within 2 s "
+                                               r"\(rank 0 did\)")
+        self.assertLess(alone["seconds"], PROMPT_S)
+        self.assertTrue(alone["intact"])
+        self.assertEqual(alone["collectives"], {})  # nothing but the store's handshake
+
     def test_a_refusal_runs_no_collective_but_the_agreement(self):
         # "before the first collective", counted: a call refused on any rank issues only the agreement's exchanges
         # (each an all_gather_object: two allgathers, sizes then data), never a weight broadcast, scatter or

@@ -29,7 +29,7 @@ class LoadStateDict(unittest.TestCase):
     def assert_parts_unchanged(self):
         """The parts of the refused fused tensor keep their values (other keys load, as in stock torch)."""
         after = self.model.state_dict()
-        parts = [s.unfused for s in surgery.weight_slices(self.model) if s.fused == FUSED]
+        parts = [s.unfused for s in surgery.state_dict.weight_slices(self.model) if s.fused == FUSED]
         self.assertEqual(len(parts), 5)
         for key in parts:
             self.assertTrue(torch.equal(after[key], self.before[key]), key)
@@ -61,14 +61,14 @@ class LoadStateDict(unittest.TestCase):
                     RuntimeError, rf"{FUSED} and its unfused parts \({PART}\) are both in the state dict"):
                 self.model.load_state_dict(source, strict=strict)
             self.assert_parts_unchanged()
-        slices = surgery.weight_slices(self.model)
+        slices = surgery.state_dict.weight_slices(self.model)
         with self.assertRaisesRegex(surgery.SurgeryError, rf"the fused state dict also holds '{PART}' of the other "
                                                           "layout .*ambiguous"):
-            surgery.unfuse_state_dict(source, slices)
-        unfused = surgery.unfuse_state_dict(self.stock.state_dict(), slices)
+            surgery.state_dict.unfuse_state_dict(source, slices)
+        unfused = surgery.state_dict.unfuse_state_dict(self.stock.state_dict(), slices)
         unfused[FUSED] = self.stock.state_dict()[FUSED]
         with self.assertRaisesRegex(surgery.SurgeryError, rf"the unfused state dict also holds '{FUSED}'"):
-            surgery.fuse_state_dict(unfused, slices)
+            surgery.state_dict.fuse_state_dict(unfused, slices)
 
     def test_either_layout_alone_still_loads(self):
         for source in (self.stock.state_dict(), surgery.unfuse(copy.deepcopy(self.stock)).state_dict()):
@@ -125,7 +125,7 @@ class EveryFamily(unittest.TestCase):
             config = next(iter(family.test_configs.values()))
             with self.subTest(name):
                 stock = seeded_model(family, config, 1)
-                slices = surgery.weight_slices(stock)
+                slices = surgery.state_dict.weight_slices(stock)
                 if not slices:
                     continue
                 for source in (stock.state_dict(), surgery.unfuse(copy.deepcopy(stock)).state_dict()):

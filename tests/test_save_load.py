@@ -182,7 +182,7 @@ class OneWriter(unittest.TestCase):
         with mock.patch.object(safetensors_writer, "write_file", write_file), mock.patch.object(os, "fsync", fsync):
             surgery.save_pretrained(unfused, self.root / "saved", max_shard_size="30KB")
             saved = len(written)
-            surgery.convert_checkpoint(self.root / "stock", self.root / "converted", max_shard_size="30KB")
+            surgery.state_dict.convert_checkpoint(self.root / "stock", self.root / "converted", max_shard_size="30KB")
         outputs = {"saved": written[:saved], "converted": written[saved:]}
         for folder, paths in outputs.items():
             files = sorted((self.root / folder).glob("*.safetensors"))

@@ -135,6 +135,14 @@ class DiTEncoders(unittest.TestCase):
             self.assertIn("encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight",
                           result["umt5"]["sharded"])
 
+    def test_unfuse_keeps_a_transformers_models_own_plan(self):
+        # diffusers' `_tp_plan` bookkeeping once popped the plan transformers' post_init merges from the configs
+        for build in (E.gemma3, E.umt5, E.llama_causal):
+            encoder = build(0)
+            plan, blocks = dict(encoder._tp_plan), set(encoder._no_split_modules)
+            surgery.unfuse(encoder)
+            self.assertEqual((encoder._tp_plan, set(encoder._no_split_modules)), (plan, blocks))
+
     def test_heads_the_mesh_cannot_split_are_refused(self):
         for result in dit_ranks():
             self.assertRegex(result["refusal_umt5_heads"], r"'encoder.block.0.layer.0.SelfAttention' has num_heads=3")

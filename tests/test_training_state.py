@@ -27,7 +27,7 @@ def step(model, optimizer, seed):
 
 
 def in_fused_layout(model, tensors: dict) -> dict[str, torch.Tensor]:
-    return surgery.fuse_state_dict(tensors, surgery.weight_slices(model)) if find_modules(model, False) else tensors
+    return surgery.state_dict.fuse_state_dict(tensors, surgery.state_dict.weight_slices(model)) if find_modules(model, False) else tensors
 
 
 def fused_view(model) -> dict[str, torch.Tensor]:

@@ -94,10 +94,10 @@ class PlanOnMeta(unittest.TestCase):
     """`surgery plan --tp 4 --cp 2 [--dp 2]`: full-size klein-4B on meta under the fake process group, in-process."""
 
     def test_collectives_by_kind_and_bytes_match_the_arithmetic(self):
-        from surgery_rewrites.flux2 import CONFIGS, FAMILY
+        from surgery_rewrites.flux2 import VARIANTS, FAMILY
         from surgery.sight import report
 
-        config = CONFIGS["klein-4b"]
+        config = VARIANTS["klein-4b"]
         double, single = config["num_layers"], config["num_single_layers"]
         p = report.plan(config, 4, family=FAMILY, cp=2)  # bf16, 4096 + 512 tokens
         c = p["collectives"]
@@ -120,7 +120,7 @@ class PlanOnMeta(unittest.TestCase):
 
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            self.assertEqual(main(["plan", "--model", "klein-4b", "--tp", "4", "--cp", "2", "--dp", "2"]), 0)
+            self.assertEqual(main(["plan", "--model", "flux2-klein-4b", "--tp", "4", "--cp", "2", "--dp", "2"]), 0)
         self.assertIn("mesh (dp, cp, tp) = (2, 2, 4): 2304 tokens per rank", out.getvalue())
         self.assertRegex(out.getvalue(), r"all_to_all_single: 100 per forward, [\d,.]+ MiB")
 

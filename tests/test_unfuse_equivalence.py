@@ -100,7 +100,7 @@ class BackwardEquivalence(unittest.TestCase):
         (hs, ehs, fused_grads), (u_hs, u_ehs, unfused_grads) = grads
         self.assertLessEqual(rel_err(u_hs, hs), FP32_TOL)
         self.assertLessEqual(rel_err(u_ehs, ehs), FP32_TOL)
-        mapped = surgery.fuse_state_dict(unfused_grads, surgery.weight_slices(unfused))
+        mapped = surgery.state_dict.fuse_state_dict(unfused_grads, surgery.state_dict.weight_slices(unfused))
         self.assertEqual(mapped.keys(), fused_grads.keys())
         for key, grad in fused_grads.items():
             self.assertLessEqual(rel_err(mapped[key], grad), FP32_TOL, key)
@@ -117,7 +117,7 @@ class BackwardEquivalence(unittest.TestCase):
             kw = inputs(config, seed=7)
             forward(model, kw).square().mean().backward()
             results.append({n: p.grad for n, p in model.named_parameters()})
-        mapped = surgery.fuse_state_dict(results[1], surgery.weight_slices(unfused))
+        mapped = surgery.state_dict.fuse_state_dict(results[1], surgery.state_dict.weight_slices(unfused))
         for key, grad in results[0].items():
             self.assertLessEqual(rel_err(mapped[key], grad), FP32_TOL, key)
 

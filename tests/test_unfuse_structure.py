@@ -16,7 +16,7 @@ from parameterized import parameterized
 import surgery
 from surgery.testing import keep_attention_backend
 from flux2_testing import build, small_config
-from surgery_rewrites.flux2 import CONFIGS
+from surgery_rewrites.flux2 import VARIANTS
 from surgery.core.split_projection import SplitProjection, SplitRows
 
 FUSED_NAMES = ("to_qkv_mlp_proj", "linear_in", "to_qkv", "to_added_qkv")
@@ -26,7 +26,7 @@ class ZeroCopy(unittest.TestCase):
     def test_row_slices_are_views_of_the_fused_storage(self):
         model = build(small_config("odd_heads"))
         fused = {name: p for name, p in model.named_parameters()}
-        slices = surgery.weight_slices(model)
+        slices = surgery.state_dict.weight_slices(model)
         surgery.unfuse(model)
         unfused = dict(model.named_parameters())
         rows = [s for s in slices if s.dim == 0]
@@ -41,7 +41,7 @@ class ZeroCopy(unittest.TestCase):
         config = small_config("klein4b_small")
         model = build(config)
         surgery.unfuse(model)
-        records = surgery.last_report(model)
+        records = surgery.core.rewrite.last_report(model)
         for record in records:
             if record.after.startswith("Flux2FeedForward"):
                 self.assertEqual(record.bytes_copied, 0, record.path)
@@ -55,7 +55,7 @@ class Report(unittest.TestCase):
     def test_paths_and_classes(self):
         model = build(small_config("klein9b_small"))
         surgery.unfuse(model)
-        records = surgery.last_report(model)
+        records = surgery.core.rewrite.last_report(model)
         self.assertEqual(
             [(r.path, r.before, r.after) for r in records],
             [("transformer_blocks.0.ff", "Flux2FeedForward[linear_in: Linear]", "Flux2FeedForward[linear_in: SplitRows]"),
@@ -144,14 +144,14 @@ class KeepsWhatUsersRelyOn(unittest.TestCase):
 
 
 class FullSizeOnMeta(unittest.TestCase):
-    @parameterized.expand([(name,) for name in CONFIGS])
+    @parameterized.expand([(name,) for name in VARIANTS])
     def test_every_fused_linear_gone_and_parameter_count_unchanged(self, name):
         with torch.device("meta"):
-            model = Flux2Transformer2DModel(**CONFIGS[name])
+            model = Flux2Transformer2DModel(**VARIANTS[name])
         stock = {n: p.shape for n, p in model.named_parameters()}
         surgery.unfuse(model)
-        config = CONFIGS[name]
-        self.assertEqual(len(surgery.last_report(model)), 2 * config["num_layers"] + config["num_single_layers"])
+        config = VARIANTS[name]
+        self.assertEqual(len(surgery.core.rewrite.last_report(model)), 2 * config["num_layers"] + config["num_single_layers"])
         self.assertEqual(sum(p.numel() for p in model.parameters()), sum(s.numel() for s in stock.values()))
         self.assertFalse([n for n, m in model.named_modules() if type(m) is nn.Linear and n.endswith(FUSED_NAMES)])
         self.assertTrue(all(p.is_meta for p in model.parameters()))

@@ -224,10 +224,10 @@ def check_lora(mesh) -> dict:
     ref_grads, ref_params = train_step(reference, kw, target, torch.optim.SGD, lr=0.1)
 
     # PEFT sizes the factors to the base weights' local shards here (their mesh has dim names): set_lora_local gives
-    # each rank its shards of the same full-size factors; surgery.shard_lora lays them out (no collective)
+    # each rank its shards of the same full-size factors; surgery.lora.shard_lora lays them out (no broadcast)
     model = set_lora_local(add_lora(surgery.tensor_parallel(copy.deepcopy(base), mesh["tp"]), factors), factors,
                            mesh["tp"])
-    surgery.shard_lora(model, mesh["tp"], src_data_rank=None)
+    surgery.lora.shard_lora(model, mesh["tp"], src_data_rank=None)
     fully_shard_blocks(model, mesh["dp"])
     grads, params = train_step(model, _batch_slice(kw, dp_rank, dp), target.chunk(dp)[dp_rank], torch.optim.SGD, lr=0.1)
     frozen = [n for n in params if "lora_" not in n]

@@ -15,9 +15,8 @@ from surgery.core.registry import families, model_names, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.io.checkpoint import convert_checkpoint
 from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
-from surgery.parallel.plans import block_path, effective_plan, plan_source, planned_for, style_source, wildcard_path
-from surgery.parallel.tensor_parallel import validate
-from surgery.sight import diagram, render, report
+from surgery.parallel.plans import block_path, checked_plan, effective_plan, plan_source, style_source, wildcard_path
+from surgery.sight import diagram, forms, render, report, svg
 from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
 
 
@@ -82,7 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     epilog = _models_epilog()
+    _demo_command(commands, epilog)
+    _plan_command(commands, epilog)
+    _inspect_command(commands, epilog)
+    _explore_command(commands, epilog)
+    _convert_command(commands, epilog)
+    return parser
 
+
+def _demo_command(commands, epilog: str) -> None:
+    """`surgery demo`: the main job: a seeded model unfused, checked and sharded over CPU processes."""
     demo = commands.add_parser(
         "demo", formatter_class=_Formatter, epilog=epilog,
         help="unfuse a seeded model (default FLUX.2-klein-4B-shaped) and shard it over CPU processes (no downloads)",
@@ -101,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     demo.add_argument("--seed", type=int, default=0)
 
+
+def _plan_command(commands, epilog: str) -> None:
+    """`surgery plan`: per-rank layout, memory and collectives on one CPU."""
     plan = commands.add_parser(
         "plan", formatter_class=_Formatter, epilog=epilog,
         help="the per-rank layout, memory and collectives of a model at a TP size, on one CPU",
@@ -124,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
                       "(with --tp: checked to fit that size)")
 
+
+def _inspect_command(commands, epilog: str) -> None:
+    """`surgery inspect`: the rewrite table (and a diagram)."""
     inspect_parser = commands.add_parser(
         "inspect", formatter_class=_Formatter, epilog=epilog,
         help="the rewrite table of a model: which fused rows/columns each unfused Linear takes",
@@ -142,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
                          "README on a repository page gets about 880)")
 
+
+def _explore_command(commands, epilog: str) -> None:
+    """`surgery explore`: Google's Model Explorer on one block."""
     explore = commands.add_parser(
         "explore", formatter_class=_Formatter, epilog=epilog,
         help="open Google's Model Explorer on one block's graphs, with the TP plan's overlays",
@@ -158,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     explore.add_argument("--port", type=_port, default=8080, help="port the server listens on (default 8080)")
     explore.add_argument("--no-serve", action="store_true", help="only write the files")
 
+
+def _convert_command(commands, epilog: str) -> None:
+    """`surgery convert`: a checkpoint between layouts."""
     convert = commands.add_parser(
         "convert", formatter_class=_Formatter,
         help="rewrite a diffusers checkpoint into the unfused layout, or back (streaming, tensor by tensor)",
@@ -174,7 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--variant", help="read and write diffusion_pytorch_model.<VARIANT>.safetensors (e.g. fp16)")
     convert.add_argument("--overwrite", action="store_true",
                          help="replace a checkpoint already in DST (other files there are kept)")
-    return parser
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -302,7 +321,7 @@ def _show_plan(args: argparse.Namespace) -> int:
 
     name, family, config = _config(args)
     model = unfuse(model_on_meta(family, config))
-    validate(model, planned_for(model), args.tp or 1)  # no plan at all, or (with --tp) sizes the mesh cannot split
+    checked_plan(model, None, None, args.tp or 1)  # no plan at all, or (with --tp) sizes the mesh cannot split
     kinds: dict[str, dict[str, dict]] = {}  # kind -> block -> {key after the block: style}
     for key, style in effective_plan(model).items():
         block, _ = block_path(model, key)
@@ -339,7 +358,7 @@ def _block_forms(args: argparse.Namespace):
 
 def _inspect_svg(args: argparse.Namespace) -> int:
     name, model, inputs = _block_forms(args)
-    graphs = diagram.forms(model, inputs, module=args.module, tp=args.tp)
+    graphs = forms.forms(model, inputs, module=args.module, tp=args.tp)
     if args.panels != "all":
         graphs = [g for g in graphs if g.title.startswith(args.panels)]
         if not graphs:
@@ -351,7 +370,7 @@ def _inspect_svg(args: argparse.Namespace) -> int:
     diagram.write_svg(graphs, args.svg, title=f"{name} (bf16, 4096 image + 512 text tokens)",
                       max_width_px=args.width)
     with open(args.svg) as f:
-        width, height = diagram.svg_size_px(f.read())
+        width, height = svg.svg_size_px(f.read())
     print(f"wrote {args.svg} ({width:.0f} x {height:.0f} px): " + "; ".join(
         f"{row['graph']}: {row['nodes']} nodes" for row in diagram.summary(graphs)))
     return 0

@@ -109,7 +109,7 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
     started = time.perf_counter()
     unfused = surgery.unfuse(fused)  # in place: the fused output is kept, not a second copy of the model
     seconds = time.perf_counter() - started
-    records = surgery.last_report(unfused)
+    records = surgery.core.rewrite.last_report(unfused)
     copied = sum(r.bytes_copied for r in records)
     print(f"\nunfuse: {len(records)} modules rewritten in {seconds * 1e3:.1f} ms; {mb(copied)} copied "
           "(column splits); every row slice is a view of the fused weight")

@@ -2,7 +2,7 @@
 
 Imports nothing else of surgery. `errors` and `checks` first (what is refused, before anything changes); `slicing`,
 the `registry` of families and `walk` (finding their modules); the unfused leaves (`split_projection`, `leaves`);
-`rewrite` (`unfuse` / `fuse`), which publishes `events.after_rewrite` for the layers above; the state-dict `slices`
+`rewrite` (`unfuse` / `fuse`); the state-dict `slices`
 (`state_dict`); and `build` (a family's model from a config, on meta or seeded).
 """
 
@@ -13,7 +13,6 @@ from surgery.core import registry  # noqa: F401
 from surgery.core import walk  # noqa: F401
 from surgery.core import split_projection  # noqa: F401
 from surgery.core import leaves  # noqa: F401
-from surgery.core import events  # noqa: F401
 from surgery.core import rewrite  # noqa: F401
 from surgery.core import state_dict  # noqa: F401
 from surgery.core import build  # noqa: F401

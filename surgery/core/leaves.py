@@ -9,10 +9,10 @@ module keeps its stock class and forward; only what differs is swapped:
   `surgery.core.split_projection`);
 - where a stock attention processor reshapes by the stored head count (`unflatten(-1, (attn.heads, -1))`, wrong on
   a rank that holds `heads / N` of them), the processor is swapped, through diffusers' own extension point
-  (`set_processor`), for its head-dim twin: the stock processor's own source with the edits listed in
-  `EDITS` applied (heads split by `head_dim`), compiled at import time against the stock module's globals.
-  No processor code is copied here; `tests/test_drift.py` checks each edit still finds its text in the installed
-  diffusers source.
+  (`set_processor`), for its head-dim twin: the stock processor's own source with `(attn.heads, -1)` read as
+  `(-1, head_dim)` (one rule, found by inspecting the processor: `rule_edits`), or with the edits listed in `EDITS`
+  where the rule does not cover it, compiled against the stock module's globals. No processor code is copied here;
+  `tests/test_drift.py` checks each edit still finds its text in the installed diffusers source.
 
 `swap_rewrite` builds the `Rewrite` for one stock class: the same class in both forms, told apart by their leaves
 (or processors). Its builders `recast` the module: a new instance of the same class sharing every child but the
@@ -130,38 +130,18 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 
 # --- twins: stock methods with listed edits, compiled from the installed diffusers source ---------------------------
 
-# Every edit made to a stock method's source, in one place: `(stock text, replacement, occurrences)`. The stock text
+# The one rule for attention processors: a processor that reshapes by the stored head count, `(attn.heads, -1)`,
+# and reads `attn.heads` nowhere else, splits by the head size instead, so the same code runs on the whole module and
+# on a rank that holds `heads / N` of them. The head size from the module's own `head_dim`, else from its global
+# widths (diffusers' generic `Attention` keeps no head_dim).
+HEADS_BY_COUNT = "(attn.heads, -1)"
+HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+
+# Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
 # must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
-# release that changes the original is noticed, not silently copied around.
-HEADS_BY_COUNT = ("(attn.heads, -1)", "(-1, attn.head_dim)")
-# diffusers' generic `Attention` keeps no head_dim: the global sizes give it
-HEADS_BY_WIDTH = ("(attn.heads, -1)", "(-1, attn.inner_dim // attn.heads)")
-_T = "diffusers.models.transformers."
+# release that changes the original is noticed, not silently copied around. Families add theirs with
+# `register_edits` (a block forward that splits by global widths).
 EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    # joint-attention processors that reshape by the stored head count: split by head_dim instead
-    _T + "transformer_longcat_image.LongCatImageAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
-    _T + "transformer_ovis_image.OvisImageAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
-    # Bria-Fibo runs it in a generic `Attention` too
-    _T + "transformer_bria.BriaAttnProcessor.__call__": ((*HEADS_BY_WIDTH, 6),),
-    _T + "transformer_bria_fibo.BriaFiboAttnProcessor.__call__": ((*HEADS_BY_COUNT, 6),),
-    _T + "transformer_flux3.Flux3AttnProcessor.__call__": ((*HEADS_BY_COUNT, 3),),
-    _T + "transformer_hunyuanimage.HunyuanImageAttnProcessor.__call__": ((*HEADS_BY_WIDTH, 6),),
-    _T + "transformer_hunyuan_video.HunyuanVideoAttnProcessor2_0.__call__": ((*HEADS_BY_WIDTH, 6),),
-    _T + "transformer_motif_video.MotifVideoAttnProcessor2_0.__call__": ((*HEADS_BY_COUNT, 6),),
-    _T + "transformer_motif_video.MotifVideoCrossAttnProcessor2_0.__call__": ((*HEADS_BY_COUNT, 3),),
-    # Ovis-Image's single block splits its gated MLP by the global widths: halves of whatever width the rank holds
-    _T + "transformer_ovis_image.OvisImageSingleTransformerBlock.forward": (
-        ("torch.split(\n        self.proj_mlp(norm_hidden_states), [self.mlp_hidden_dim, self.mlp_hidden_dim], dim=-1\n    )",
-         "self.proj_mlp(norm_hidden_states).chunk(2, dim=-1)", 1),
-    ),
-    # transformers' UMT5 attention (Wan's and SkyReels-V2's text encoder) views q/k/v by the stored head count, where T5's
-    # uses -1: split by head_dim instead; the zero bias of a layer without relative attention bias (decoder
-    # cross-attention) counts the heads the rank holds.
-    "transformers.models.umt5.modeling_umt5.UMT5Attention.forward": (
-        (".view(batch_size, -1, self.n_heads, self.key_value_proj_dim)", ".unflatten(-1, (-1, self.key_value_proj_dim))",
-         3),
-        ("(1, self.n_heads, seq_length, key_length)", "(1, query_states.shape[1], seq_length, key_length)", 1),
-    ),
     # diffusers' generic processor (HunyuanVideo's token refiner runs it): head_dim from the global sizes, heads
     # counted from the local width, and the mask (prepare_attention_mask repeats one mask per sample over the heads:
     # the same for each head) kept once, broadcast over however many heads the rank holds.
@@ -174,6 +154,27 @@ EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
     ),
 }
 
+
+def register_edits(stock: type, method: str, edits: tuple[tuple[str, str, int], ...]) -> None:
+    """List the edits of `stock.<method>` that `twin` applies, where the processor rule does not cover it."""
+    EDITS[f"{qualified(stock)}.{method}"] = tuple(edits)
+
+
+def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:
+    """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
+    head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads)."""
+    source = inspect.getsource(getattr(stock, method))
+    count = source.count(HEADS_BY_COUNT)
+    if not count or "attn.heads" in source.replace(HEADS_BY_COUNT, ""):
+        return None
+    return ((HEADS_BY_COUNT, HEAD_DIM, count),)
+
+
+def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:
+    """The edits `twin` applies to `stock.<method>`: those listed for it, else the processor rule's."""
+    return EDITS.get(f"{qualified(stock)}.{method}") or rule_edits(stock, method)
+
+
 _twins: dict[type, type] = {}
 _stocks: dict[type, type] = {}
 
@@ -185,16 +186,17 @@ def qualified(cls: type) -> str:
 def edited_source(stock: type, method: str = "__call__") -> str:
     """The source of `stock.<method>` with its listed edits applied; raises if any edit no longer fits."""
     key = f"{qualified(stock)}.{method}"
-    edits = EDITS.get(key)
+    edits = edits_for(stock, method)
     if edits is None:
-        raise SurgeryError(f"{key} has no edits listed in surgery.core.leaves.EDITS.")
+        raise SurgeryError(f"{key} reshapes by no `{HEADS_BY_COUNT}` alone (the processor rule) and has no edits "
+                           "listed in surgery.core.leaves.EDITS; list them with register_edits.")
     source = textwrap.dedent(inspect.getsource(getattr(stock, method)))
     for old, new, count in edits:
         found = source.count(old)
         if found != count:
             raise SurgeryError(
                 f"{key} holds {old!r} {found} times, not {count}: the installed diffusers changed it. Review "
-                "surgery.core.leaves.EDITS against its new source."
+                "its edits (surgery.core.leaves: EDITS, or the processor rule) against its new source."
             )
         source = source.replace(old, new)
     return source
@@ -207,14 +209,14 @@ def twin(stock: type, name: str, method: str = "__call__") -> type:
     if stock in _twins:
         return _twins[stock]
     namespace: dict = {}
-    code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} with surgery.core.leaves.EDITS>",
+    code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} edited by surgery.core.leaves>",
                    "exec")
     # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
     exec(code, inspect.unwrap(getattr(stock, method)).__globals__, namespace)
     cls = type(name, (stock,), {
         method: namespace[method],
         "__module__": __name__,
-        "__doc__": f"`{qualified(stock)}` with the edits listed in surgery.core.leaves.EDITS.",
+        "__doc__": f"`{qualified(stock)}` with the edits of surgery.core.leaves.edits_for.",
     })
     try:  # diffusers' hooks find a processor's or a block's metadata by its exact class; the twin shares the stock one's
         from diffusers.hooks._helpers import AttentionProcessorRegistry, TransformerBlockRegistry

@@ -10,7 +10,6 @@ suite — looks a family up here, by name or by the model's class; the engine it
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -69,8 +68,7 @@ class Family:
     dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `test_configs` are small configs
     (same structure, tiny widths) the conformance suite runs on CPU; `shrink_config(config)` shrinks a published config
     to demo size (depth and head size, same head count). `count_all_reduces(config)` is the number of all-reduces one
-    forward should make under `surgery.tensor_parallel`. (`reduced=` and `all_reduces=`, their former names, are
-    accepted with a DeprecationWarning.)
+    forward should make under `surgery.tensor_parallel`.
     """
 
     name: str
@@ -88,8 +86,9 @@ class Family:
     count_all_reduces: Callable[[dict], int] | None = None
     test_configs: dict[str, dict] = field(default_factory=dict)
     shrink_config: Callable[[dict], dict] | None = None
-    # other names `--model` accepts for a variant (kept so that older command lines still work)
-    aliases: dict[str, str] = field(default_factory=dict)
+    # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
+    # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
+    replicated: dict = field(default_factory=dict)
     # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
     # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
     # (`surgery plan --pipeline` builds each on meta)
@@ -118,36 +117,12 @@ class Family:
         return [self.model_name(v) for v in self.variants]
 
 
-# Fields renamed: the old names, callables named like data, still work with a DeprecationWarning.
-_RENAMED_FIELDS = {"reduced": "shrink_config", "all_reduces": "count_all_reduces"}
-_family_init = Family.__init__
-
-
-def _family_init_accepting_old_names(self, *args, **kwargs) -> None:
-    for old, new in _RENAMED_FIELDS.items():
-        if old in kwargs:
-            warnings.warn(f"Family({old}=...) is now Family({new}=...).", DeprecationWarning, stacklevel=2)
-            kwargs[new] = kwargs.pop(old)
-    _family_init(self, *args, **kwargs)
-
-
-def _old_field(old: str, new: str) -> property:
-    def get(self):
-        warnings.warn(f"Family.{old} is now Family.{new}.", DeprecationWarning, stacklevel=2)
-        return getattr(self, new)
-
-    return property(get)
-
-
-Family.__init__ = _family_init_accepting_old_names
-for _old, _new in _RENAMED_FIELDS.items():
-    setattr(Family, _old, _old_field(_old, _new))
-
 _registry: list[Rewrite] = []
 _tp_plans: dict[type[nn.Module] | str, dict] = {}
 _tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] = {}
 _tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
 _families: dict[str, Family] = {}
+_replicated: dict[type[nn.Module] | str, dict[str, str]] = {}
 
 
 def register(*rewrites: Rewrite) -> None:
@@ -182,6 +157,23 @@ def register_tp_plan(
         _tp_when[cls] = when
 
 
+def register_replicated(cls: type[nn.Module] | str, linears: dict[str, str]) -> None:
+    """Declare Linears of modules of exactly class `cls` whole on every rank on purpose: `{path relative to the
+    module (fnmatch pattern): the reason}`. `surgery.tensor_parallel` refuses a model whose transformer blocks hold a
+    Linear that neither a plan nor such a declaration covers. A reason says why the Linear's input and output are
+    whole on every rank (the conditioning embedding in, a modulation of the full-width hidden states out)."""
+    for pattern, reason in linears.items():
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(f"{cls!r}: replicated Linear {pattern!r} needs its reason, a sentence.")
+    _replicated.setdefault(cls, {}).update(linears)
+
+
+def replicated_for(module: nn.Module) -> dict[str, str]:
+    """The Linears declared whole on every rank for `module`'s exact class (by class or qualified name)."""
+    cls = type(module)
+    return {**_replicated.get(qualified_name(cls), {}), **_replicated.get(cls, {})}
+
+
 def register_family(family: Family) -> None:
     """Register a model family: its descriptor, its rewrites and its tensor-parallel plans."""
     if family.name in _families:
@@ -190,6 +182,8 @@ def register_family(family: Family) -> None:
     register(*family.rewrites)
     for cls, plan in family.tp_plans.items():
         register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
+    for cls, linears in family.replicated.items():
+        register_replicated(cls, linears)
 
 
 def qualified_name(cls: type) -> str:
@@ -241,39 +235,25 @@ def family_of(model: nn.Module | type) -> Family:
     raise SurgeryError(
         f"no registered model family describes {cls.__name__}; known: "
         f"{', '.join(sorted(f.name for f in families().values() if f.variants))}. Register one with "
-        "surgery.register_family."
+        "surgery.extend.register_family."
     )
 
 
-def _ambiguous(family: Family, alias: str) -> list[str]:
-    """The `--model` names an alias could mean: more than one where another family has a variant of that name
-    (`dev`: flux1-dev or flux2-dev); empty where the alias is unambiguous."""
-    meant = [f.model_name(alias) for f in families().values() if f is not family and alias in f.variants]
-    return [family.model_name(family.aliases[alias]), *meant] if meant else []
-
-
 def model_names(by_family: bool = False) -> list[str] | dict[str, list[str]]:
-    """Every name `--model` accepts: each family alone (its default variant), `<family>-<variant>`, and the
-    unambiguous aliases (`klein-9b`); with `by_family`, the same names grouped by family."""
+    """Every name `--model` accepts: each family alone (its default variant) and `<family>-<variant>`; with
+    `by_family`, the same names grouped by family."""
     grouped = {}
     for family in families().values():
         if family.variants:
-            aliases = [a for a in family.aliases if not _ambiguous(family, a)]
-            grouped[family.name] = list(dict.fromkeys([family.name, *family.model_names(), *aliases]))
+            grouped[family.name] = list(dict.fromkeys([family.name, *family.model_names()]))
     return grouped if by_family else [n for names in grouped.values() for n in names]
 
 
 def resolve_model(name: str) -> tuple[Family, str]:
-    """`(family, variant)` for a `--model` name: `flux2-klein-9b`, `flux1-dev`, `chroma` (a family's default), or an
-    alias a family keeps for older command lines (`klein-9b`)."""
+    """`(family, variant)` for a `--model` name: `flux2-klein-9b`, `flux1-dev`, `chroma` (a family's default)."""
     for family in families().values():
         if not family.variants:
             continue
-        if name in family.aliases:
-            candidates = _ambiguous(family, name)
-            if candidates:
-                raise SurgeryError(f"model {name!r} is ambiguous: say {' or '.join(candidates)}.")
-            return family, family.aliases[name]
         if name == family.name:
             return family, family.default_variant or next(iter(family.variants))
         if name.startswith(family.name + "-") and name[len(family.name) + 1 :] in family.variants:

@@ -30,7 +30,6 @@ from surgery.core.checks import (
     wrapper_error,
     wrapper_kind,
 )
-from surgery.core.events import after_rewrite
 from surgery.core.registry import Rewrite
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 from surgery.core.walk import find_modules
@@ -67,7 +66,7 @@ def unfuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     next step is the step the fused model would have taken. An optimizer that holds a fused parameter but is not
     passed, tensor hooks, ties and DDP/FSDP wrappers are refused. Idempotent; a model with nothing to rewrite is
     returned unchanged. Returns `model` (a new module only when `model` itself is a fused module).
-    `surgery.last_report(model)` lists what was rewritten.
+    `surgery.core.rewrite.last_report(model)` lists what was rewritten.
     """
     return _rewrite(model, unfusing=True, optimizers=_optimizers(optimizer))
 
@@ -153,7 +152,6 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     del done, found, module, moves, new
     _refill(released)
     object.__setattr__(root, _REPORT_ATTR, records)
-    after_rewrite(root)
     return root
 
 

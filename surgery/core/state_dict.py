@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 from typing import Mapping
 
@@ -96,9 +95,3 @@ def fuse_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[Slice])
     for fused_name, group in group_by_fused(slices):
         out[fused_name] = concat([state_dict[s.unfused] for s in group], group[0].dim)[0]
     return out
-
-
-def key_map(model: nn.Module) -> list[Slice]:
-    """Deprecated name of `weight_slices` (it returns slices, not a mapping)."""
-    warnings.warn("surgery.key_map is now surgery.weight_slices.", DeprecationWarning, stacklevel=2)
-    return weight_slices(model)

@@ -1,5 +1,5 @@
 """diffusers' features on an unfused model: LoRA adapters (plain and under TP), diffusers' hooks, and the interop that
-subscribes to the core's after-rewrite event (importing this package subscribes it).
+the public verbs call after swapping modules (`interop.keep_diffusers_in_step`).
 """
 
 from surgery.integration import lora, lora_tp, diffusers_hooks, interop  # noqa: F401  (in layer order)

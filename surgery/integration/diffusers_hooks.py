@@ -222,7 +222,7 @@ def _load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="tran
 
 def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upcast_before_saving: bool = False,
                        safe_serialization: bool = True, weight_name: str | None = None):
-    """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.stock_lora_adapter`)."""
+    """diffusers' `save_lora_adapter`, in the stock model's names (`surgery.lora.stock_lora_adapter`)."""
 
 
 
@@ -245,7 +245,7 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
 
 def stock_targets(model: nn.Module, target_modules):
     """A `target_modules` as stock diffusers reads it, for `model`'s unfused modules: the stock Linears it selects
-    (a fused one as its parts, `surgery.lora_target_modules`) plus any unfused part named in full, as one regex of
+    (a fused one as its parts, `surgery.lora.lora_target_modules`) plus any unfused part named in full, as one regex of
     full names. None where that
     selects nothing (PEFT then raises its own error) or for PEFT's "all-linear" shorthand (the same on both forms).
 
@@ -275,6 +275,12 @@ def stock_targets(model: nn.Module, target_modules):
 def _add_adapter(self, adapter_config, adapter_name: str = "default"):
     """diffusers' `add_adapter`, with `target_modules` selecting the layers it selects on the stock model."""
 
+    if getattr(adapter_config, "use_dora", False) and any(
+            hasattr(p, "device_mesh") for p in self.parameters()):  # a DTensor: sharded by surgery.tensor_parallel
+        raise SurgeryError(
+            f"{type(self).__name__}.add_adapter: DoRA is not supported on a sharded model; its weight norm needs each "
+            "whole base weight, which no rank holds. Add the DoRA adapter before surgery.tensor_parallel and merge it "
+            "(`fuse_lora()` / peft's `merge_and_unload()`), or use plain LoRA (use_dora=False) on the sharded model.")
     targets = stock_targets(self, getattr(adapter_config, "target_modules", None))
     if targets is not None:
         adapter_config = copy.copy(adapter_config)

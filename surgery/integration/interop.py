@@ -1,4 +1,4 @@
-"""diffusers interop kept out of the rewrite engine: what `unfuse` and `fuse` tell diffusers after they swap modules.
+"""diffusers interop kept out of the rewrite engine: what the public verbs tell diffusers once modules are swapped.
 
 The model's `_tp_plan` (what diffusers' own `enable_parallelism` reads) is made to fit its current modules, and
 `surgery.integration.diffusers_hooks` keeps `save_pretrained`, `load_state_dict` and the LoRA loaders in diffusers' layout.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from surgery.core.events import subscribe_after_rewrite
 from surgery.core.registry import registered
 from surgery.integration import diffusers_hooks
+from surgery.integration.diffusers_hooks import _is_diffusers_model
 from surgery.parallel.plans import block_path, planned_modules
 from surgery.core.walk import find_modules
 
@@ -19,11 +19,15 @@ from surgery.core.walk import find_modules
 BLOCK_NAME_LISTS = ("_repeated_blocks", "_no_split_modules")
 
 
-def after_rewrite(model: nn.Module) -> None:
-    """What `unfuse` and `fuse` publish once every module is swapped (`surgery.core.events`), subscribed below."""
+def keep_diffusers_in_step(model: nn.Module) -> nn.Module:
+    """Fit diffusers' plan, block-name lists and checkpoint hooks to `model`'s current modules; returns `model`.
+
+    Called by the public verbs that swap modules (`surgery.unfuse`, `fuse`, `load_tensor_parallel`,
+    `tensor_parallel_pipeline`) once they are done: the core below them knows nothing of diffusers' bookkeeping."""
     sync_diffusers_tp_plans(model)
     sync_block_names(model)
     diffusers_hooks.install(model)
+    return model
 
 
 def _style_name(style: ParallelStyle) -> str | None:
@@ -57,7 +61,9 @@ def sync_diffusers_tp_plans(model: nn.Module) -> None:
     A model back in fused form loses the override and reads its class's packed plan again.
     """
     for module in model.modules():
-        if getattr(type(module), "_tp_plan", None) is None:
+        # diffusers' models only: a transformers model's instance `_tp_plan` is its own (merged from its configs by
+        # `post_init`), which `tensor_parallel` reads; popping it would leave the class's `lm_head` entry alone
+        if not _is_diffusers_model(module) or getattr(type(module), "_tp_plan", None) is None:
             continue
         if find_modules(module, fused=False):
             module._tp_plan = diffusers_tp_plan(module)
@@ -76,7 +82,8 @@ def sync_block_names(model: nn.Module) -> None:
         return
     for module in model.modules():
         cls = type(module)
-        if not any(getattr(cls, attr, None) for attr in BLOCK_NAME_LISTS):
+        # diffusers' models only: a transformers model's instance lists are its own (`post_init` sets them)
+        if not _is_diffusers_model(module) or not any(getattr(cls, attr, None) for attr in BLOCK_NAME_LISTS):
             continue
         present = {type(m).__name__ for m in module.modules()}
         for attr in BLOCK_NAME_LISTS:
@@ -87,5 +94,3 @@ def sync_block_names(model: nn.Module) -> None:
             else:
                 vars(module).pop(attr, None)
 
-
-subscribe_after_rewrite(after_rewrite)

@@ -123,11 +123,11 @@ def unfuse_lora_state_dict(state_dict: Mapping[str, torch.Tensor], slices: list[
         split = _adapter_prefix(state_dict, parts) is not None
         first = next(iter(state_dict), None)
         raise SurgeryError(
-            f"surgery.unfuse_lora_state_dict: none of the adapter's {len(state_dict)} keys (first {first!r}) is on one "
+            f"surgery.lora.unfuse_lora_state_dict: none of the adapter's {len(state_dict)} keys (first {first!r}) is on one "
             f"of the {len(fused)} fused modules of the key map (e.g. {sorted(fused)[:1]}). "
             + ("It is already in the unfused layout: load it as it is (model.load_lora_adapter on the unfused "
                "model takes either layout)."
-               if split else "Pass surgery.weight_slices(model) of the model it was trained for; an adapter that targets no "
+               if split else "Pass surgery.state_dict.weight_slices(model) of the model it was trained for; an adapter that targets no "
                "fused module needs no split.")
         )
     mine = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -160,7 +160,7 @@ def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:
             names += parts.get(name, [name])
     if not names:
         raise SurgeryError(
-            f"surgery.lora_target_modules: target_modules={target_modules!r} selects no Linear of "
+            f"surgery.lora.lora_target_modules: target_modules={target_modules!r} selects no Linear of "
             f"{type(model).__name__} (stock names such as {sorted(parts)[:2]} are accepted)."
         )
     return sorted(set(names))

@@ -154,24 +154,33 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     factors, as `tensor_parallel` does for weights (PEFT draws `lora_A` at random on each rank); None keeps each
     rank's own (identical, e.g. seeded) factors with no collective. `mesh` defaults to the mesh of the base weights.
     Layers already laid out (adapters loaded with `load_lora_adapter` on the sharded model) are left as they are.
-    Calling it on every rank is required when `src_data_rank` is not None (it broadcasts).
+    Every rank calls it at the same point: a rank whose peers do not call it raises after the handshake timeout
+    (`SURGERY_HANDSHAKE_TIMEOUT`), naming them, and a refusal on any rank raises on every rank before anything moves.
     """
     from peft.tuners.lora import LoraLayer  # lazy: peft is optional
 
     styles = linear_styles(model)
     mesh = mesh if mesh is not None else tp_mesh(model, styles)
     if mesh is None:
-        raise SurgeryError("surgery.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
+        raise SurgeryError("surgery.lora.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
                            "first (then add the adapters, then shard_lora).")
-    for path, style in styles.items():
-        layer = model.get_submodule(path)
-        if not isinstance(layer, LoraLayer):
-            continue
-        for name in layer.lora_A:
-            if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
-                raise SurgeryError(f"surgery.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight norm "
-                                   "needs the whole base weight, which a sharded Linear does not hold.")
-            lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
+
+    def check() -> list:
+        todo = []
+        for path, style in styles.items():
+            layer = model.get_submodule(path)
+            if not isinstance(layer, LoraLayer):
+                continue
+            for name in layer.lora_A:
+                if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
+                    raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight "
+                                       "norm needs the whole base weight, which a sharded Linear does not hold.")
+                todo.append((layer, name, style))
+        return todo
+
+    # every rank first (a rank alone would wait in the first broadcast forever): the handshake names a missing rank
+    for layer, name, style in agree(mesh, "lora.shard_lora", check):
+        lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
     return model
 
 
@@ -512,7 +521,7 @@ class _World:
 def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_serialization: bool,
                  weight_name: str | None) -> None:
     """`save_lora_adapter` on a tensor-parallel model: every rank calls it; the factors are gathered one at a time
-    (`surgery.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
+    (`surgery.lora.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
     (`surgery.io.atomic.staged_folder`; other files in the folder are kept), and every rank returns once it is written
     or raises the same error."""
 

@@ -19,7 +19,8 @@ from surgery.core.slicing import Slice
 from surgery.core.state_dict import weight_slices
 from surgery.parallel.transformers_plans import checkpoint_renames
 from surgery.parallel.plans import FilterFn
-from surgery.parallel.tensor_parallel import apply_plans, checked_plan, linear_placements, one_dim_mesh, plan_digest
+from surgery.parallel.plans import checked_plan, linear_placements, plan_digest
+from surgery.parallel.tensor_parallel import apply_plans, one_dim_mesh
 
 
 def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:

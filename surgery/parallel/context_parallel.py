@@ -149,40 +149,45 @@ def validate(model: nn.Module, mesh: DeviceMesh, ulysses: int, ring: int, plan: 
             "(`_parallel_config`); its attention would only see each rank's part of the sequence."
         )
     for path, module, processor in processors:
-        backend = _backend(processor)
-        if backend not in _AttentionBackendRegistry._supports_context_parallel:
-            supported = sorted(_AttentionBackendRegistry._supports_context_parallel)
-            raise SurgeryError(
-                f"surgery.context_parallel: '{path}' ({type(processor).__name__}) uses the attention backend "
-                f"'{backend}', which has no context-parallel form. Set one of {supported} with "
-                "model.set_attention_backend(...) first."
-            )
-        if ring > 1 and (backend in _NO_LSE_BACKENDS or mesh.device_type == "cpu"):
-            raise SurgeryError(
-                f"surgery.context_parallel: ring_degree={ring} needs an attention backend that returns the "
-                f"log-sum-exp, and '{path}' uses '{backend}' on a {mesh.device_type} mesh, which does not (none of "
-                "diffusers' runs on CPU). Use ulysses_degree only (ring_degree=1), or a cuda mesh with "
-                "model.set_attention_backend('flash' / '_native_cudnn' / '_native_flash')."
-            )
-        tp_mesh = _tp_mesh(module)
-        tp = tp_mesh.size() if tp_mesh is not None else 1
-        if tp_mesh is not None and _ranks(tp_mesh) & _ranks(mesh) != {dist.get_rank()}:
-            raise SurgeryError(
-                f"surgery.context_parallel: the context-parallel mesh {mesh.mesh.tolist()} shares ranks with the "
-                f"tensor-parallel mesh {tp_mesh.mesh.tolist()} of '{path}'. Pass the other dimension of the 2-D "
-                "mesh: mesh['cp'] beside mesh['tp']."
-            )
-        heads = getattr(module, "heads", None)
-        if ulysses > 1 and isinstance(heads, int):
-            local = heads // tp
-            if heads % tp or local % ulysses:
-                raise SurgeryError(
-                    f"surgery.context_parallel: '{path}' holds {heads} heads / TP {tp} = {heads / tp:g} heads per "
-                    f"tensor-parallel rank, which ulysses_degree={ulysses} cannot split evenly. Use a ulysses_degree "
-                    f"dividing {local}: {mesh_sizes_dividing(local)} (the rest as ring_degree on cuda), or a smaller "
-                    "tensor-parallel size."
-                )
+        _check_attention(path, module, processor, mesh, ulysses, ring)
     return plan
+
+
+def _check_attention(path: str, module: nn.Module, processor, mesh: DeviceMesh, ulysses: int, ring: int) -> None:
+    """One attention module: its backend has a context-parallel form, and its heads (per TP rank) split over Ulysses."""
+    backend = _backend(processor)
+    if backend not in _AttentionBackendRegistry._supports_context_parallel:
+        supported = sorted(_AttentionBackendRegistry._supports_context_parallel)
+        raise SurgeryError(
+            f"surgery.context_parallel: '{path}' ({type(processor).__name__}) uses the attention backend "
+            f"'{backend}', which has no context-parallel form. Set one of {supported} with "
+            "model.set_attention_backend(...) first."
+        )
+    if ring > 1 and (backend in _NO_LSE_BACKENDS or mesh.device_type == "cpu"):
+        raise SurgeryError(
+            f"surgery.context_parallel: ring_degree={ring} needs an attention backend that returns the "
+            f"log-sum-exp, and '{path}' uses '{backend}' on a {mesh.device_type} mesh, which does not (none of "
+            "diffusers' runs on CPU). Use ulysses_degree only (ring_degree=1), or a cuda mesh with "
+            "model.set_attention_backend('flash' / '_native_cudnn' / '_native_flash')."
+        )
+    tp_mesh = _tp_mesh(module)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    if tp_mesh is not None and _ranks(tp_mesh) & _ranks(mesh) != {dist.get_rank()}:
+        raise SurgeryError(
+            f"surgery.context_parallel: the context-parallel mesh {mesh.mesh.tolist()} shares ranks with the "
+            f"tensor-parallel mesh {tp_mesh.mesh.tolist()} of '{path}'. Pass the other dimension of the 2-D "
+            "mesh: mesh['cp'] beside mesh['tp']."
+        )
+    heads = getattr(module, "heads", None)
+    if ulysses > 1 and isinstance(heads, int):
+        local = heads // tp
+        if heads % tp or local % ulysses:
+            raise SurgeryError(
+                f"surgery.context_parallel: '{path}' holds {heads} heads / TP {tp} = {heads / tp:g} heads per "
+                f"tensor-parallel rank, which ulysses_degree={ulysses} cannot split evenly. Use a ulysses_degree "
+                f"dividing {local}: {mesh_sizes_dividing(local)} (the rest as ring_degree on cuda), or a smaller "
+                "tensor-parallel size."
+            )
 
 
 def _guarded(model: nn.Module) -> bool:

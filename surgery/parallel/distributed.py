@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from surgery.core.errors import SurgeryError
 
@@ -28,6 +29,9 @@ class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives dispatched inside it (`c10d` and functional ops) and the bytes they carry.
 
     Works where `CommDebugMode` does not (it crashes on FLUX.2 in torch 2.13). `counts` maps op name to calls.
+    An op on DTensors is handed back to DTensor first (as `CommDebugMode` does), so that the collectives DTensor
+    inserts inside an op (a mean over a sharded dim resolved by the next op) are counted too, not only those that
+    the styles' hooks issue.
     """
 
     def __init__(self):
@@ -40,6 +44,8 @@ class CollectiveCounter(TorchDispatchMode):
         return sum(self.counts.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         name = func.__name__.split(".")[0]
         if func.namespace in _COLLECTIVE_NAMESPACES and not name.startswith("_") and name != "wait_tensor":
             self.counts[name] += 1

@@ -25,8 +25,8 @@ from surgery.core.registry import families, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.distributed import fake_process_group
-from surgery.parallel.plans import planned_modules
-from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel, validate
+from surgery.parallel.plans import checked_plan, planned_modules
+from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel
 
 logger = logging.getLogger("surgery")
 
@@ -70,7 +70,7 @@ def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_r
         reason = _no_plan_reason(model)
     else:
         try:
-            validate(model, planned, mesh.size())
+            checked_plan(model, None, None, mesh.size())  # the checks tensor_parallel makes, coverage included
         except SurgeryError as error:
             if required:
                 raise

@@ -9,6 +9,7 @@ stock styles and plans back as the Python a user would type.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from fnmatch import fnmatchcase
 from typing import Callable
@@ -24,27 +25,23 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import tp_plan_for
+from surgery.core.registry import replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
+from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
 
 Planned = list[tuple[str, nn.Module, dict]]
 FilterFn = Callable[[nn.Module, str], bool]
 
 
-def per_head_norm(head_dim: int = 2) -> SequenceParallel:
-    """The style for a norm applied to each rank's own heads (QK-norm on `[batch, seq, heads, head_dim]`).
-
-    Its weight becomes a replicated DTensor and its input is declared sharded on the heads dim, so gradients of the
-    weight are summed over ranks; no collective runs in forward.
-    """
-    return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
-
-
 def planned_modules(model: nn.Module) -> Planned:
     """`(path, module, plan)` for every module with a registered plan (outermost only; keys that exist only), then
-    those that transformers' own plan names (`surgery.parallel.transformers_plans`), outside the registered ones."""
+    the attention modules of the transformer blocks that no registered plan covers, with their derived plans
+    (`surgery.parallel.derive`), then those that transformers' own plan names
+    (`surgery.parallel.transformers_plans`), outside the registered ones."""
 
     def match(module: nn.Module) -> dict | None:
         plan, _ = tp_plan_for(module)
@@ -54,12 +51,33 @@ def planned_modules(model: nn.Module) -> Planned:
 
     registered_plans = outermost(model, match)
     covered = [path for path, _, _ in registered_plans]
+    derived_plans = [(path, module, plan) for path, module, plan in derived_in_blocks(model, covered)
+                     if not isinstance(plan, Refused)]
+    covered += [path for path, _, _ in derived_plans]
 
     def inside(path: str) -> bool:
         return any(p == "" or path == p or path.startswith(p + ".") for p in covered)
 
     # Modules no registered plan covers, where the model carries transformers' own plan (a text encoder).
-    return registered_plans + stock_plan(model, skip=inside)
+    return registered_plans + derived_plans + stock_plan(model, skip=inside)
+
+
+def derived_in_blocks(model: nn.Module, covered: list[str]) -> list[tuple[str, nn.Module, dict | Refused]]:
+    """`(path, module, derived plan or Refused)` for the modules of the transformer blocks that a derivation rule is
+    about, outside the `covered` paths and with no registered plan that accepts them (a family's plan overrides)."""
+    out: list[tuple[str, nn.Module, dict | Refused]] = []
+    for block, module in transformer_blocks(model):
+        for key, child in module.named_modules():
+            path = _join(block, key)
+            if any(p == "" or path == p or path.startswith(p + ".") for p in covered) or any(
+                    path.startswith(p + ".") for p, _, _ in out):
+                continue
+            if tp_plan_for(child)[0] is not None:
+                continue
+            plan = derived(child)
+            if plan is not None:
+                out.append((path, child, plan))
+    return out
 
 
 def _has_submodule(module: nn.Module, path: str) -> bool:
@@ -209,6 +227,91 @@ def block_plans(model: nn.Module, planned: Planned) -> dict[str, dict[str, Paral
     return blocks
 
 
+# --- coverage: no block left half sharded in silence -----------------------------------------------------------------
+
+# Linears of diffusers' adaptive norms (AdaLayerNormZero, AdaLayerNormContinuous, LuminaRMSNormZero, ...) turn the
+# conditioning embedding, which every rank holds whole, into the shifts, scales and gates of the full-width hidden
+# states: whole on every rank by design (diffusers' own `_tp_plan` leaves them so too).
+# Linears of diffusers' embedding modules (timestep, pooled-text and caption embedders) read inputs every rank holds
+# whole and feed the conditioning: whole too.
+DERIVED_REPLICATED = {
+    "diffusers.models.normalization": "adaptive-norm modulation of the replicated conditioning embedding",
+    "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
+}
+
+
+def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`(path, block)` for the model's transformer blocks, outermost only: the modules of its `_repeated_blocks`
+    classes where it names them (diffusers' regional-compile list), else the elements of the ModuleLists that are
+    its direct children."""
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    lists = {id(child) for child in model.children() if isinstance(child, nn.ModuleList)}
+    parents = dict(model.named_modules())
+    found: list[tuple[str, nn.Module]] = []
+    for path, module in model.named_modules():
+        if not path or any(path.startswith(p + ".") for p, _ in found):
+            continue
+        block = type(module).__name__ in names if names else id(parents[path.rpartition(".")[0]]) in lists
+        if block:
+            found.append((path, module))
+    return found
+
+
+def replicated_reason(block: nn.Module, key: str) -> str | None:
+    """Why the Linear at `key` (relative to `block`) is whole on every rank on purpose, or None: an enclosing
+    module's class declares it (`surgery.core.registry.register_replicated`), or it belongs to an adaptive norm."""
+    names = key.split(".")
+    for i in range(len(names)):
+        owner = block.get_submodule(".".join(names[:i]))
+        rest = ".".join(names[i:])
+        for pattern, reason in replicated_for(owner).items():
+            if fnmatchcase(rest, pattern):
+                return reason
+        if i and type(owner).__module__ in DERIVED_REPLICATED:
+            return DERIVED_REPLICATED[type(owner).__module__]
+    return None
+
+
+def unplanned_linears(model: nn.Module, planned: Planned) -> tuple[list[tuple[str, nn.Module]], int]:
+    """The Linears inside transformer blocks that no plan entry covers (the entry's path, or one above it: a
+    PEFT-wrapped or split leaf) and no declaration keeps whole on purpose; and how many Linears the blocks hold."""
+    covered = {_join(path, key) for path, _, plan in planned for key in plan}
+    left, total = [], 0
+    for block_path_, block in transformer_blocks(model):
+        for key, module in block.named_modules():
+            if not isinstance(module, nn.Linear) or not key:
+                continue
+            total += 1
+            path = _join(block_path_, key)
+            names = path.split(".")
+            if any(".".join(names[:i]) in covered for i in range(1, len(names) + 1)):
+                continue
+            if replicated_reason(block, key) is None:
+                left.append((path, module))
+    return left, total
+
+
+def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_parallel") -> None:
+    """Refuse a model whose blocks the registered plans would shard only in part: every rank would keep the rest
+    whole, and the model would look sharded while holding most of its weights on each rank."""
+    left, total = unplanned_linears(model, planned)
+    if not left:
+        return
+    path, module = left[0]
+    owner = path.rpartition(".")[0]
+    owner_cls = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+    refusals = [(p, plan.reason) for p, _, plan in derived_in_blocks(model, [p for p, _, _ in planned])
+                if isinstance(plan, Refused) and path.startswith(p + ".")]
+    why = f" (no plan derived for '{refusals[0][0]}': {refusals[0][1]})" if refusals else ""
+    raise SurgeryError(
+        f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan{why}: "
+        f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
+        "every rank, a half-sharded model. Register a plan for its module (surgery.core.registry.register_tp_plan), declare it "
+        "replicated on purpose with its reason (surgery.core.registry.register_replicated), or pass plan= / "
+        "filter_fn= to shard only what you name."
+    )
+
+
 def check_unfused(model: nn.Module, verb: str = "tensor_parallel") -> None:
     """A plan shards unfused modules only: a fused one would be cut across its concatenated projections."""
     fused = find_modules(model, fused=True)
@@ -241,6 +344,82 @@ def effective_plan(model: nn.Module, path: str | None = None, *, plan: dict | No
         raise SurgeryError(f"surgery.effective_plan: {type(model).__name__} has no module '{path}'.")
     return {key[len(path):].lstrip("."): style for key, style in flat.items()
             if not path or key == path or key.startswith(path + ".")}
+
+
+# --- building and checking the plan a verb applies ---------------------------------------------------------------
+
+def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> dict[str, tuple] | None:
+    """How a stock linear style places a Linear's parameters (`None` for styles that place none); for an
+    `nn.Embedding` (`module`), as the stock styles place its `[num_embeddings, dim]` weight: colwise shards the
+    embedding dim, rowwise the vocabulary."""
+    embedding = isinstance(module, nn.Embedding)
+    if isinstance(style, ColwiseParallel):
+        return {"weight": (Shard(1 if embedding else 0),), "bias": (Shard(0),)}
+    if isinstance(style, RowwiseParallel):
+        return {"weight": (Shard(0 if embedding else 1),), "bias": (Replicate(),)}
+    return None
+
+
+def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
+    """Every check of a plan against the model and a mesh of `world` ranks, before anything changes."""
+    check_unfused(model)
+    if not planned:
+        known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
+            f"(known: {', '.join(known)}). Register one with surgery.core.registry.register_tp_plan."
+        )
+    check_model(model, "tensor_parallel")
+    check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
+    for path, module, plan in planned:
+        registered, check = tp_plan_for(module)
+        if registered is None and check is None and is_attention(module):
+            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
+        check = check or transformers_check_heads
+        if check is not None:
+            check(module, path, world)
+        heads = getattr(module, "heads", None)
+        if isinstance(heads, int) and heads % world:
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
+                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+            )
+        for key, style in plan.items():
+            linear = module.get_submodule(key)
+            placements = linear_placements(style, linear)
+            if placements is None:
+                continue
+            linear_path = f"{path}.{key}" if path else key
+            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
+            check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
+            dim = placements["weight"][0].dim
+            size = linear.weight.shape[dim]
+            if size % world:
+                what = "output features" if dim == 0 else "input features"
+                raise SurgeryError(
+                    f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
+                    f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
+                )
+
+
+def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
+    """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
+    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks."""
+    planned = planned_for(model, plan, filter_fn)
+    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+    # owners are
+    check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must too
+        check_coverage(model, planned)
+    return planned
+
+
+def plan_digest(planned: Planned) -> str:
+    """A short digest of what `planned` shards and how, for the ranks to compare before sharding."""
+    entries = [(path, key, f"{type(style).__qualname__} {sorted(vars(style).items())!r}")
+               for path, _, plan in planned for key, style in plan.items()]
+    digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).hexdigest()
+    return f"{len(entries)} planned modules, digest {digest}"
 
 
 # --- plans as literals -----------------------------------------------------------------------------------------------

@@ -8,45 +8,16 @@ do all the work.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import tp_plan_for, tp_plans
 from surgery.parallel.agreement import agree, fingerprint
-from surgery.parallel.plans import (
-    FilterFn,
-    Planned,
-    block_plans,
-    check_unfused,
-    enclosing,
-    planned_for,
-)
-from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
-
-
-def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> dict[str, tuple] | None:
-    """How a stock linear style places a Linear's parameters (`None` for styles that place none); for an
-    `nn.Embedding` (`module`), as the stock styles place its `[num_embeddings, dim]` weight: colwise shards the
-    embedding dim, rowwise the vocabulary."""
-    embedding = isinstance(module, nn.Embedding)
-    if isinstance(style, ColwiseParallel):
-        return {"weight": (Shard(1 if embedding else 0),), "bias": (Shard(0),)}
-    if isinstance(style, RowwiseParallel):
-        return {"weight": (Shard(0 if embedding else 1),), "bias": (Replicate(),)}
-    return None
+from surgery.parallel.plans import FilterFn, Planned, block_plans, checked_plan, linear_placements, plan_digest
 
 
 def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -63,46 +34,6 @@ def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
             f"shards over one. Pass its tensor-parallel sub-mesh, e.g. {hint}."
         )
     return mesh
-
-
-def validate(model: nn.Module, planned: Planned, world: int) -> None:
-    """Every check `tensor_parallel` makes, before anything changes."""
-    check_unfused(model)
-    if not planned:
-        known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
-        raise SurgeryError(
-            f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}). Register one with surgery.register_tp_plan."
-        )
-    check_model(model, "tensor_parallel")
-    check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
-    for path, module, plan in planned:
-        _, check = tp_plan_for(module)
-        check = check or transformers_check_heads
-        if check is not None:
-            check(module, path, world)
-        heads = getattr(module, "heads", None)
-        if isinstance(heads, int) and heads % world:
-            raise SurgeryError(
-                f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
-                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
-            )
-        for key, style in plan.items():
-            linear = module.get_submodule(key)
-            placements = linear_placements(style, linear)
-            if placements is None:
-                continue
-            linear_path = f"{path}.{key}" if path else key
-            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
-            check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
-            dim = placements["weight"][0].dim
-            size = linear.weight.shape[dim]
-            if size % world:
-                what = "output features" if dim == 0 else "input features"
-                raise SurgeryError(
-                    f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
-                    f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
-                )
 
 
 def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> None:
@@ -204,7 +135,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     mesh = one_dim_mesh(mesh)
     world = mesh.size()
 
-    def check() -> Planned:
+    def plan_and_check() -> Planned:
         planned = checked_plan(model, plan, filter_fn, world)
         check_source(model, src_data_rank, world)
         return planned
@@ -215,37 +146,45 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
             parts["call"]["plan"] = plan_digest(planned)
         return parts
 
-    planned = agree(mesh, "tensor_parallel", check, fingerprint_of, reference=src_data_rank or 0)
+    # 1-3. build the plan, check it, and agree across ranks: every rank raises the same error or none does
+    planned = agree(mesh, "tensor_parallel", plan_and_check, fingerprint_of, reference=src_data_rank or 0)
+    # 4. shard block by block; a failure anywhere puts every rank's model back
     done: list[ModuleStates] = []
     for path, block_plan in block_plans(model, planned).items():
-        own = block_plan.pop("", None)
-        block = model.get_submodule(path)
-        saved = ModuleStates(block)
-        error: BaseException | None = None
-        try:
-            apply_block(block, block_plan, own, mesh, src_data_rank=None)
-        except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
-            saved.restore()
-            error = caught
-        # No collective ran while sharding this block, so every rank reaches this exchange, whatever happened on
-        # the others.
-        try:
-            agree(mesh, "tensor_parallel", lambda: _raise(error),
-                  during=f"while sharding '{path or '<model>'}', and every rank put its model back as it was",
-                  handshake=False)
-        except BaseException:
-            if error is None:
-                saved.restore()
-            for states in reversed(done):
-                states.refill()
-            raise
-        if src_data_rank is not None:
-            copy_from_source(block, saved.originals(), mesh, src_data_rank)
-        saved.release()
-        done.append(saved)
+        done.append(shard_block(model, path, block_plan, mesh, src_data_rank, done))
     if src_data_rank is not None:
         broadcast_replicated(model, mesh, src_data_rank)
     return model
+
+
+def shard_block(model: nn.Module, path: str, block_plan: dict, mesh: DeviceMesh, src_data_rank: int | None,
+                done: list["ModuleStates"]) -> "ModuleStates":
+    """Shard one block on every rank, then agree on the outcome; on any rank's failure every rank restores this
+    block and refills the blocks in `done`, and raises the same error."""
+    own = block_plan.pop("", None)
+    block = model.get_submodule(path)
+    saved = ModuleStates(block)
+    error: BaseException | None = None
+    try:
+        apply_block(block, block_plan, own, mesh, src_data_rank=None)
+    except BaseException as caught:  # noqa: BLE001 - every rank hears of it below, then it is raised
+        saved.restore()
+        error = caught
+    # No collective ran while sharding this block, so every rank reaches this exchange, whatever happened on the others.
+    try:
+        agree(mesh, "tensor_parallel", lambda: _raise(error),
+              during=f"while sharding '{path or '<model>'}', and every rank put its model back as it was",
+              handshake=False)
+    except BaseException:
+        if error is None:
+            saved.restore()
+        for states in reversed(done):
+            states.refill()
+        raise
+    if src_data_rank is not None:
+        copy_from_source(block, saved.originals(), mesh, src_data_rank)
+    saved.release()
+    return saved
 
 
 def apply_block(block: nn.Module, plan: dict, own: ParallelStyle | None, mesh: DeviceMesh,
@@ -263,24 +202,6 @@ def apply_plans(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_r
     for path, plan in block_plans(model, planned).items():
         own = plan.pop("", None)
         apply_block(model.get_submodule(path), plan, own, mesh, src_data_rank)
-
-
-def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
-    """The planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and of `load_tensor_parallel`),
-    validated for a mesh of `world` ranks."""
-    planned = planned_for(model, plan, filter_fn)
-    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
-    # owners are
-    validate(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
-    return planned
-
-
-def plan_digest(planned: Planned) -> str:
-    """A short digest of what `planned` shards and how, for the ranks to compare before sharding."""
-    entries = [(path, key, f"{type(style).__qualname__} {sorted(vars(style).items())!r}")
-               for path, _, plan in planned for key, style in plan.items()]
-    digest = hashlib.blake2b(repr(entries).encode(), digest_size=8).hexdigest()
-    return f"{len(entries)} planned modules, digest {digest}"
 
 
 def _raise(error: BaseException | None) -> None:

@@ -94,7 +94,7 @@ def stock_plan(model: nn.Module, skip: Callable[[str], bool] = lambda path: Fals
             raise SurgeryError(
                 f"surgery.tensor_parallel: transformers' plan shards '{path}' with style {style!r}, which has no stock "
                 f"torch equivalent here (known: {', '.join(sorted(STOCK_STYLES))}). Register a plan for "
-                f"{type(module).__name__}'s parent with surgery.register_tp_plan."
+                f"{type(module).__name__}'s parent with surgery.core.registry.register_tp_plan."
             )
         parent, _, child = path.rpartition(".")
         grouped.setdefault(parent, {})[child] = STOCK_STYLES[style]()

@@ -19,7 +19,9 @@ from dataclasses import asdict
 
 from surgery.core.errors import SurgeryError
 from surgery.io.atomic import write_text
-from surgery.sight.diagram import BlockGraph, SHARDING_COLORS, forms
+from surgery.sight.diagram import SHARDING_COLORS
+from surgery.sight.forms import forms
+from surgery.sight.trace import BlockGraph
 
 INSTALL = "Model Explorer is an optional extra: pip install ai-edge-model-explorer (or pip install -e \".[explore]\")."
 OVERLAYS = ("placement", "bytes per rank", "all-reduce bytes")

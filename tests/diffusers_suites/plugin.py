@@ -60,7 +60,7 @@ def _install_unfuse() -> None:
     from surgery.core.registry import model_class
 
     classes = []
-    for family in surgery.families().values():
+    for family in surgery.extend.families().values():
         if family.model_class is None or isinstance(family.model_class, str):
             continue
         classes.append(model_class(family))

@@ -1,0 +1,60 @@
+"""Families derived from diffusers' building blocks (`surgery.parallel.families.derived_family`): one row per model
+class, data only: published configs with their source, tiny test configs, example inputs.
+
+Their rewrites (head-dim twins of the attention processors, elementwise q/k RMS norms) and their plans (q/k/v
+colwise, outputs rowwise, norms across heads by their statistic, FeedForward's shared plan) are derived; so is the
+all-reduce count.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
+
+from surgery.extend import derived_family
+from surgery_rewrites.hunyuan_video import video_grid
+
+
+def wan_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `WanTransformer3DModel.forward`: a video latent of `image_tokens` patches; for an
+    image-to-video config (`image_dim`), 4 image-embedding tokens, and the text padded to the 512 tokens its cross
+    attention expects (the image tokens are what precedes the last 512)."""
+    generator = torch.Generator().manual_seed(seed)
+    frames, height, width = video_grid(image_tokens)
+    p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
+    text = 512 if config.get("image_dim") else text_tokens
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 16), frames * p_t, height * p_h, width * p_w,
+                                  generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        encoder_hidden_states=torch.randn(batch, text, config.get("text_dim", 4096), generator=generator),
+    )
+    if config.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, config["image_dim"], generator=generator)
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+_WAN = dict(attention_head_dim=128, cross_attn_norm=True, eps=1e-06, freq_dim=256, out_channels=16,
+            patch_size=(1, 2, 2), qk_norm="rms_norm_across_heads", text_dim=4096)
+_WAN_TINY = dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                 freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+FAMILIES = (
+    derived_family(
+        "wan", WanTransformer3DModel, attention=(WanAttention,),
+        variants={
+            "t2v-1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30},
+            "t2v-14b": {**_WAN, "ffn_dim": 13824, "in_channels": 16, "num_attention_heads": 40, "num_layers": 40},
+            "i2v-14b": {**_WAN, "ffn_dim": 13824, "in_channels": 36, "num_attention_heads": 40, "num_layers": 40,
+                        "image_dim": 1280, "added_kv_proj_dim": 5120},
+            "2.2-ti2v-5b": {**_WAN, "ffn_dim": 14336, "in_channels": 48, "out_channels": 48,
+                            "num_attention_heads": 24, "num_layers": 30},
+        },
+        sources="diffusers scripts/convert_wan_to_diffusers.py (get_transformer_config: Wan-T2V-1.3B, Wan-T2V-14B, "
+        "Wan-I2V-14B-480p, Wan2.2-TI2V-5B)",
+        default_variant="t2v-14b",
+        example_inputs=wan_inputs,
+        test_configs={"tiny": _WAN_TINY, "tiny_i2v": {**_WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}},
+    ),
+)

@@ -1,0 +1,248 @@
+"""Tensor-parallel plans derived from diffusers' shared building blocks; names no family.
+
+diffusers builds its DiTs from a few parts, so a module of a transformer block that no family plans is read off:
+
+- an attention (`Attention`, `AttentionModuleMixin`, or any module with an integer `heads` and a `to_q` Linear):
+  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` and `to_add_out` rowwise (one all-reduce each); a q/k norm over
+  `head_dim` acts on each rank's own heads (`per_head_norm`); a norm over the whole width (`rms_norm_across_heads`)
+  gets `AcrossHeadsNorm`, whose statistic is one all-reduce of a number per token, never an all-gather of q/k. Its
+  processor must split heads by `head_dim` (`surgery.core.leaves`: the twin `unfuse` installs, or a stock processor
+  that never reads `attn.heads`);
+- diffusers' `FeedForward` keeps its registered plan (`rewrites/diffusers_common.py`).
+
+What the derivation does not understand (a Linear it has no rule for, a processor that reads the head count, a norm
+of another width, a norm written with `F.rms_norm`) is refused with the module's path and what was found: `derived`
+returns `Refused(reason)`, and `tensor_parallel` names it when a block Linear is left without a plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch.nn as nn
+from diffusers.models.attention import AttentionModuleMixin
+from diffusers.models.attention_processor import Attention
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from surgery.core.checks import mesh_sizes_dividing
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import runs_twin, under
+from surgery.core.norms import ElementwiseRMSNorm
+from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
+
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out")
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def per_head_norm(head_dim: int = 2) -> SequenceParallel:
+    """The style for a norm applied to each rank's own heads (QK-norm on `[batch, seq, heads, head_dim]`).
+
+    Its weight becomes a replicated DTensor and its input is declared sharded on the heads dim, so gradients of the
+    weight are summed over ranks; no collective runs in forward.
+    """
+    return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
+
+
+class AcrossHeadsNorm(ParallelStyle):
+    """A norm over the whole attention width on a rank that holds a share of the heads: its weight `Shard(0)`, its
+    input this rank's columns as a `Shard(-1)` DTensor, its output local again. The module computes in elementwise
+    ops and a mean (diffusers' `RMSNorm`, `surgery.core.norms.ElementwiseRMSNorm`), so the mean over the sharded
+    width is a partial sum that DTensor resolves with one all-reduce of `[batch, tokens, 1]`."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
+                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, (Shard(-1),), run_check=False) if not isinstance(a, DTensor)
+                         else a for a in args)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a module's plan cannot be derived: one line naming what was found."""
+
+    reason: str
+
+
+def is_attention(module: nn.Module) -> bool:
+    return isinstance(module, (Attention, AttentionModuleMixin)) or (
+        isinstance(getattr(module, "heads", None), int) and isinstance(getattr(module, "to_q", None), nn.Linear))
+
+
+def _child(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def norm_width(norm: nn.Module) -> int | None:
+    """The width a norm normalizes over, from its shape (weight or `normalized_shape` / `dim`)."""
+    weight = getattr(norm, "weight", None)
+    if weight is not None:
+        return int(weight.shape[-1])
+    shape = getattr(norm, "normalized_shape", None) or getattr(norm, "dim", None)
+    if shape is None:
+        return None
+    return int(shape[-1] if isinstance(shape, (tuple, list)) or hasattr(shape, "__len__") else shape)
+
+
+def processor_reads_head_count(processor) -> bool:
+    """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
+    try:
+        return "attn.heads" in inspect.getsource(type(processor).__call__)
+    except (OSError, TypeError):
+        return True  # no source to read: assume the worst
+
+
+def attention_plan(module: nn.Module) -> dict | Refused:
+    """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
+    norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
+    processor = getattr(module, "processor", None)
+    if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
+        return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
+                       "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
+                       "surgery.unfuse has not run)")
+    return projection_plan(module)
+
+
+def projection_plan(module: nn.Module) -> dict | Refused:
+    """The styles of an attention module's projections and q/k norms, read off its children, or why there are
+    none (a Linear without a rule, a norm of another width, a torch RMSNorm across heads)."""
+    cls = type(module).__name__
+    heads = getattr(module, "heads", None)
+    q = getattr(module, "to_q", None)
+    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+        return Refused(f"a {cls} without an integer `heads` and a `to_q` Linear (fused to_qkv? call surgery.unfuse)")
+    head_dim = q.out_features // heads
+    plan: dict = {}
+    for name in INPUT_PROJECTIONS:
+        if isinstance(_child(module, name), nn.Linear):
+            plan[name] = ColwiseParallel()
+    for name in OUTPUT_PROJECTIONS:
+        if isinstance(_child(module, name), nn.Linear):
+            plan[name] = RowwiseParallel()
+    for name in QK_NORMS:
+        norm = _child(module, name)
+        if norm is None or isinstance(norm, nn.Identity):
+            continue
+        width = norm_width(norm)
+        if width == head_dim:
+            if any(True for _ in norm.parameters(recurse=False)):
+                plan[name] = per_head_norm(2)
+        elif width is not None and width % head_dim == 0 and width > head_dim:
+            if type(norm) is nn.RMSNorm:
+                return Refused(f"{name} is a torch.nn.RMSNorm across heads ({width} = heads x {head_dim}); its "
+                               "F.rms_norm would all-gather q/k. surgery.unfuse swaps it for ElementwiseRMSNorm "
+                               "where the family's rewrite says so")
+            if not isinstance(norm, ElementwiseRMSNorm) and type(norm).__name__ != "RMSNorm":
+                return Refused(f"{name} is a {type(norm).__name__} across heads ({width} wide): only RMS norms "
+                               "written in elementwise ops shard by their statistic")
+            plan[name] = AcrossHeadsNorm()
+        else:
+            return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
+    covered = set(plan)
+    for path, child in module.named_modules():
+        if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
+            return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
+                           "(not q/k/v, added q/k/v, to_out.0 or to_add_out)")
+    for name in ("to_k", "add_k_proj"):
+        k = _child(module, name)
+        if isinstance(k, nn.Linear) and k.out_features % head_dim:
+            return Refused(f"{name} has {k.out_features} features, not whole heads of {head_dim}")
+    return plan
+
+
+def single_stream_parts(block: nn.Module) -> tuple[str, str, str] | None:
+    """`(attention, mlp, out)` child names of a single-stream block (FLUX.1-style): an attention without `to_out`, a
+    Linear `mlp` reading the same input as its `to_q`, and a child `out` reading `cat([attention, mlp])` (its input
+    width is theirs summed); None for any other module."""
+    children = dict(block.named_children())
+    for a, attn in children.items():
+        if not is_attention(attn) or _child(attn, "to_out") is not None:
+            continue
+        q = attn.to_q
+        for m, mlp in children.items():
+            if not isinstance(mlp, nn.Linear) or mlp.in_features != q.in_features:
+                continue
+            for o, out in children.items():
+                if o != m and getattr(out, "in_features", None) == q.out_features + mlp.out_features:
+                    return a, m, o
+    return None
+
+
+def single_stream_plan(block: nn.Module) -> dict | Refused:
+    """A single-stream block's plan: its attention's, the MLP's input colwise, and the projection over
+    `cat([attention, mlp])` as a `SplitProjection` (both parts rowwise into partial sums, one all-reduce)."""
+    a, m, o = single_stream_parts(block)
+    attention = attention_plan(getattr(block, a))
+    if isinstance(attention, Refused):
+        return attention
+    out = getattr(block, o)
+    if not isinstance(out, SplitProjection):
+        return Refused(f"its `{o}` reads cat([{a}, {m}]) as one {type(out).__name__}; column sharding needs it split "
+                       "into a SplitProjection (a `columns` leaf in the family's rewrite, then surgery.unfuse)")
+    return {**under(a, attention), m: ColwiseParallel(), **under(o, SPLIT_PROJECTION_TP_PLAN)}
+
+
+def feed_forward_parts(module: nn.Module) -> tuple[str, str, bool] | None:
+    """`(in, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
+    plan): a class named `...FeedForward` whose Linears are two, `in` then `out`, with `out` reading `in`'s width
+    (plain) or half of it (gated: rows gate and up fused in `in`). None for any other module."""
+    if "FeedForward" not in type(module).__name__:
+        return None
+    linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
+    if len(linears) != 2:
+        return None
+    (first, a), (last, b) = linears
+    if b.in_features == a.out_features:
+        return first, last, False
+    if 2 * b.in_features == a.out_features:
+        return first, last, True
+    return None
+
+
+def feed_forward_plan(module: nn.Module) -> dict | Refused:
+    first, last, gated = feed_forward_parts(module)
+    if gated:
+        return Refused(f"its `{first}` holds gate and up rows fused ({module.get_submodule(first).out_features} = 2 x "
+                       f"{module.get_submodule(last).in_features}); column sharding needs them split (a `rows` leaf, "
+                       "SplitRows, in the family's rewrite)")
+    return {first: ColwiseParallel(), last: RowwiseParallel()}
+
+
+def derived(module: nn.Module) -> dict | Refused | None:
+    """The derived plan of a module (an attention, a single-stream block), a refusal, or None where no rule is
+    about this module."""
+    if is_attention(module):
+        return attention_plan(module)
+    if single_stream_parts(module) is not None:
+        return single_stream_plan(module)
+    if feed_forward_parts(module) is not None:
+        return feed_forward_plan(module)
+    return None
+
+
+def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
+    """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong."""
+    head_dim = module.to_q.out_features // module.heads
+    for name in ("to_q", "to_k", "add_q_proj", "add_k_proj"):
+        linear = _child(module, name)
+        if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
+            count = linear.out_features // head_dim
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{path}.{name}' holds {count} heads of {head_dim}, which a mesh of {world} "
+                f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")
