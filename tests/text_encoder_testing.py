@@ -133,7 +133,7 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
     from surgery_rewrites import pipelines
     from surgery.core.build import default_dtype
 
-    spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL,
+    spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL, "umt5_xxl": pipelines.UMT5_XXL,
             "qwen25_vl_text": pipelines.QWEN25_VL_7B}[name]
     cls_name, config_name, config = spec
     config = {**config}
@@ -141,7 +141,7 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
         config["text_config"] = {**config["text_config"], "num_hidden_layers": 1, "vocab_size": PUBLISHED_VOCAB}
         config["vision_config"] = {**config["vision_config"], "num_hidden_layers": 1, "hidden_size": 64,
                                    "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 32}
-    elif name == "t5_xxl":
+    elif name in ("t5_xxl", "umt5_xxl"):
         config.update(num_layers=1, vocab_size=PUBLISHED_VOCAB)
     else:  # Qwen2.5-VL's text model alone
         cls_name, config_name = "transformers.Qwen2_5_VLTextModel", "transformers.Qwen2_5_VLTextConfig"

@@ -63,15 +63,16 @@ def run_pipelines(rank: int, world: int, mesh) -> dict:
 
 
 def run_published(rank: int, world: int, mesh) -> dict:
-    """One layer of Mistral3 (FLUX.2-dev), T5-XXL and Qwen2.5-VL's text model at published width, bf16."""
+    """One layer of Mistral3 (FLUX.2-dev), T5-XXL, UMT5-XXL (Wan) and Qwen2.5-VL's text model at published width,
+    bf16."""
     out = {}
     tokens = torch.randint(0, E.PUBLISHED_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(tokens)
     mask[1, 12:] = 0
-    for name in ("mistral3", "t5_xxl", "qwen25_vl_text"):
+    for name in ("mistral3", "t5_xxl", "umt5_xxl", "qwen25_vl_text"):
         encoder = E.published_layer(name)
         expected = E.outputs(encoder, tokens, mask)
-        surgery.tensor_parallel(encoder, mesh)
+        surgery.tensor_parallel(surgery.unfuse(encoder), mesh)
         got = E.outputs(encoder, tokens, mask)
         out[name] = {"error": max(rel_err(g.float(), e.float()) for g, e in zip(got, expected)),
                      "largest": max(p.numel() for p in encoder.parameters()),
