@@ -30,6 +30,7 @@ from surgery.core.checks import (
     wrapper_error,
     wrapper_kind,
 )
+from surgery.core.split_projection import pack_all
 from surgery.core.registry import Rewrite
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 from surgery.core.walk import find_modules
@@ -152,6 +153,8 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     del done, found, module, moves, new
     _refill(released)
     object.__setattr__(root, _REPORT_ATTR, records)
+    if unfusing:
+        pack_all(root)
     return root
 
 
@@ -468,7 +471,8 @@ def _convert(
 def _unfuse_weights(module: nn.Module, target: nn.Module, fused_name: str, group: list[Slice]):
     """One fused parameter (and its grad) sliced into `target`'s parts: `(olds, news, quantities, bytes copied)`."""
     source = _param(module, fused_name)
-    pieces = [take(source, s) for s in group]
+    # views, columns too: the parts stay back to back in the fused storage, which a leaf multiplies by at once
+    pieces = [(source.detach().narrow(s.dim, s.start, s.size), 0) for s in group]
     news = [_set_param(target, s.unfused, piece, source.requires_grad) for s, (piece, _) in zip(group, pieces)]
     quantities = [([source], news, any(n for _, n in pieces))]
     if source.grad is not None:

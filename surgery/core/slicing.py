@@ -1,4 +1,5 @@
-"""Weight slicing: row slices are views of the fused storage, column slices are copies.
+"""Weight slicing: unfused parts are views of the fused storage (rows and columns alike); `take` copies columns
+(for state dicts and files, which want contiguous tensors).
 
 A `Slice` names one piece of a fused parameter and the unfused parameter it becomes. The same table drives
 `unfuse`, `fuse`, the state-dict conversions, the sharded loader and the inspection views.
@@ -58,27 +59,37 @@ def take(tensor: torch.Tensor, s: Slice) -> tuple[torch.Tensor, int]:
     return copy, 0 if copy.is_meta else copy.numel() * copy.element_size()
 
 
-def _adjacent_rows(parts: list[torch.Tensor]) -> bool:
-    """Whether `parts` lie back to back in one storage, so that their row concatenation is a view."""
-    first = parts[0]
-    if first.is_meta or any(p.dtype != first.dtype or not p.is_contiguous() for p in parts):
-        return False
-    storage = first.untyped_storage().data_ptr()
-    offset = first.storage_offset()
-    for part in parts:
-        if part.untyped_storage().data_ptr() != storage or part.storage_offset() != offset:
-            return False
-        offset += part.numel()
-    return True
+def back_to_back(tensors: list[torch.Tensor], dim: int) -> torch.Tensor | None:
+    """The tensor whose consecutive slices along `dim` (0: rows, 1: columns of 2-D tensors) `tensors` are, as a view
+    of their one storage; `None` where they do not lie so (another storage, a gap, another dtype or layout)."""
+    first = tensors[0]
+    if first.is_meta or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return None
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    if dim == 0:
+        if not all(t.is_contiguous() for t in tensors):
+            return None
+        step = [t.numel() for t in tensors]
+        shape, stride = (sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride()
+    else:
+        width = sum(t.shape[1] for t in tensors)
+        if any(t.dim() != 2 or t.stride() != (width, 1) or t.shape[0] != first.shape[0] for t in tensors):
+            return None
+        step = [t.shape[1] for t in tensors]
+        shape, stride = (first.shape[0], width), (width, 1)
+    for t, n in zip(tensors, step):
+        if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset:
+            return None
+        offset += n
+    # a view of the first tensor reaching over the rest of the storage (what torch.compile can trace through)
+    return first.detach().as_strided(shape, stride, first.storage_offset())
 
 
 def concat(parts: list[torch.Tensor], dim: int) -> tuple[torch.Tensor, int]:
     """`torch.cat(parts, dim)` and the bytes copied; a view (no copy) when row slices still share one storage."""
     parts = [p.detach() for p in parts]
-    if dim == 0 and _adjacent_rows(parts):
-        first = parts[0]
-        shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
-        whole = first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+    whole = back_to_back(parts, dim) if dim in (0, 1) else None
+    if whole is not None:
         return whole, 0
     whole = torch.cat(parts, dim=dim)
     return whole, 0 if whole.is_meta else whole.numel() * whole.element_size()

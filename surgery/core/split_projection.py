@@ -15,16 +15,30 @@ split by the parts' ratio still finds each part.
 The children's names are chosen not to collide with the name patterns diffusers' features use: TaylorSeer hooks
 every module whose path fully matches `^single_transformer_blocks.*attn` (so no child may end in `attn`), and stock
 LoRA `target_modules` such as `to_q`, `to_k`, `to_v` are matched as suffixes (so no child may be called that).
+
+One GEMM per fused weight. Both leaves compute the fused Linear's function, and where their parts' values lie back to
+back in one buffer (rows: the fused storage the row views share; columns: the parts as column views of one `[out,
+in]` storage; per rank, each rank's local shards laid out so by `surgery.parallel.tensor_parallel`), a leaf holds a
+`Packed` over that buffer and multiplies by it once: the fused model's GEMM (diffusers' packed GEMM per rank), no
+`cat` of the parts' outputs and no split of the input. The parts stay separate Linears (plans, LoRA, saving, the
+optimizer see them), and the leaf runs their own forwards instead wherever a part does more than a plain matmul: a
+wrapper or another class (PEFT's LoRA layers), a hook other than those its style set when packed (diffusers' hooks:
+layerwise casting, offloading), a replaced or moved parameter, or a gradient to compute. `Packed.holds` looks at the
+parts on every call; it costs a few attribute reads.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Partial, Replicate
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
-from surgery.core.slicing import Slice, column_slices, row_slices
+from surgery.core.slicing import Slice, back_to_back, column_slices, row_slices
 
 ATTN_PART, MLP_PART = "attn_part", "mlp_part"
 
@@ -50,7 +64,24 @@ class SplitProjection(nn.Module):
     def has_bias(self) -> bool:
         return self.attn_part.bias is not None
 
+    def parts_list(self) -> list[nn.Module]:
+        return [self.attn_part, self.mlp_part]
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False, **kwargs):
+        # the parts' weights are column views of one storage (not contiguous); a state dict is read by savers that
+        # want contiguous tensors (safetensors), so it holds contiguous copies of those two
+        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars, **kwargs)
+        if not keep_vars:
+            for part in (ATTN_PART, MLP_PART):
+                key = f"{prefix}{part}.weight"
+                if key in out and not out[key].is_contiguous():
+                    out[key] = out[key].contiguous()
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get(PACKED)
+        if packed is not None and packed.holds(self.parts_list()):
+            return packed(x)
         attn, mlp = self.attn_part.in_features, self.mlp_part.in_features
         width = x.shape[-1] * attn // (attn + mlp)  # the attention's share of the (local) concatenation
         return self.attn_part(x[..., :width]) + self.mlp_part(x[..., width:])
@@ -116,7 +147,13 @@ class SplitRows(nn.Module):
     def parts(self) -> list[tuple[str, int]]:
         return [(name, part.out_features) for name, part in self._modules.items()]
 
+    def parts_list(self) -> list[nn.Module]:
+        return list(self._modules.values())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get(PACKED)
+        if packed is not None and packed.holds(self.parts_list()):
+            return packed(x)
         return torch.cat([part(x) for part in self._modules.values()], dim=-1)
 
 
@@ -137,3 +174,161 @@ def split_rows_like(linear: nn.Linear, parts: list[tuple[str, int]]) -> SplitRow
         raise ValueError(f"parts {parts} do not add up to the fused Linear's {linear.out_features} output features")
     with torch.device("meta"):
         return SplitRows(linear.in_features, parts, linear.bias is not None)
+
+
+# --- one GEMM per fused weight -------------------------------------------------------------------------------------
+
+PACKED = "_packed"  # the attribute a leaf keeps its `Packed` under (not a parameter, buffer or child: never saved)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor; any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _global_hooks() -> bool:
+    m = nn.modules.module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+def _hook_ids(part: nn.Module) -> tuple:
+    return (tuple(part._forward_pre_hooks), tuple(part._forward_hooks))
+
+
+@dataclass(eq=False)
+class Packed:
+    """What a leaf multiplies by when its parts are plain Linears whose values `weight` (and `bias`) hold back to back.
+
+    `params` are the parts' `(weight, bias)`, `offsets` where their (local) values start in `weight`'s / `bias`'s
+    (local) storage, in elements; `hooks` each part's forward (pre-)hook ids when packed (the parallel style's own,
+    whose work `call` does instead: `call(x, weight, bias)`, default `F.linear`).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    params: tuple[tuple[torch.Tensor, torch.Tensor | None], ...]
+    offsets: tuple[tuple[int, int | None], ...]
+    hooks: tuple[tuple, ...]
+    call: Callable | None = None
+
+    def holds(self, parts: list[nn.Module]) -> bool:
+        """Whether multiplying by the buffer is what the parts' own forwards would compute now."""
+        if len(parts) != len(self.params) or _global_hooks():
+            return False
+        grad = torch.is_grad_enabled()
+        for part, (weight, bias), hooks in zip(parts, self.params, self.hooks):
+            if (type(part) is not nn.Linear or "forward" in part.__dict__ or part._backward_hooks
+                    or part._backward_pre_hooks or _hook_ids(part) != hooks
+                    or part.weight is not weight or part.bias is not bias):
+                return False
+            if grad and (weight.requires_grad or (bias is not None and bias.requires_grad)):
+                return False  # the gradients belong to the parts' own parameters
+        if torch.compiler.is_compiling():  # data pointers cannot be traced; the checks above are guarded
+            return True
+        return self._in_place()
+
+    def _in_place(self) -> bool:
+        """The parts' values still lie where they were packed (a `.to()`, a `param.data = ...` moves them)."""
+        for (weight, bias), (w_at, b_at) in zip(self.params, self.offsets):
+            if not _at(weight, self.weight, w_at) or (bias is not None and not _at(bias, self.bias, b_at)):
+                return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.call is not None:
+            return self.call(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _at(part: torch.Tensor, whole: torch.Tensor, offset: int) -> bool:
+    part, whole = local(part), local(whole)
+    return (part.dtype == whole.dtype and part.device == whole.device
+            and part.data_ptr() == whole.data_ptr() + offset * whole.element_size())
+
+
+def lay_out(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """One new buffer holding `tensors` back to back along `dim`; each tensor's values moved into it: a plain tensor
+    becomes a view of it (`.data`), a DTensor's local tensor does (its placements and the object stay)."""
+    locals_ = [local(t).detach() for t in tensors]
+    whole = torch.cat(locals_, dim=dim)
+    start = 0
+    for t, piece in zip(tensors, locals_):
+        view = whole.narrow(dim, start, piece.shape[dim])
+        start += piece.shape[dim]
+        if isinstance(t, DTensor):
+            t._local_tensor = _alias(view)
+        else:
+            t.data = view
+    return whole
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """`view`'s values as a tensor of its own storage object starting where `view` starts (a slice of the buffer's
+    storage, which keeps the buffer alive): torch.compile cannot trace a DTensor whose local tensor has a storage
+    offset (torch 2.13: "set the storage of a tensor on device cpu to a storage on ... meta")."""
+    es = view.element_size()
+    storage = view.untyped_storage()[view.storage_offset() * es:]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape, view.stride())
+
+
+def parts_of(leaf: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor | None], int]:
+    """A leaf's parts' weights and biases, and the dim along which they make the fused weight (0 rows, 1 columns)."""
+    parts = leaf.parts_list()
+    if isinstance(leaf, SplitProjection):
+        return [p.weight for p in parts], [leaf.attn_part.bias], 1
+    return [p.weight for p in parts], [p.bias for p in parts], 0
+
+
+def pack(leaf: nn.Module, call: Callable | None = None, copy: bool = True) -> bool:
+    """Give `leaf` (a `SplitRows` or `SplitProjection` of plain Linears) a `Packed` over its parts' values: a view
+    where they already lie back to back (unfused from one fused weight), else, with `copy`, a new buffer they are
+    moved into. `call(x, weight, bias)` computes with the buffer (default `F.linear`; a sharded leaf's style's
+    work). Returns whether it packed; a leaf whose parts are not plain `nn.Linear`s keeps no `Packed`."""
+    leaf.__dict__.pop(PACKED, None)
+    parts = leaf.parts_list()
+    if any(type(p) is not nn.Linear for p in parts) or any(p.weight.is_meta for p in parts):
+        return False
+    weights, biases, dim = parts_of(leaf)
+    if dim == 0 and len({b is None for b in biases}) > 1:
+        return False
+    with torch.no_grad():
+        weight = _packed(weights, dim, copy)
+        bias = None
+        if biases[0] is not None:
+            bias = biases[0] if dim == 1 else _packed(biases, 0, copy)
+        if weight is None or (biases[0] is not None and bias is None):
+            return False
+        weight = _like(weights[0], weight)
+        if dim == 0 and bias is not None:
+            bias = _like(biases[0], bias)
+    w_base, offsets = local(weight), []
+    for w, b in zip(weights, biases if dim == 0 else [biases[0]] + [None] * (len(weights) - 1)):
+        w_at = (local(w).data_ptr() - w_base.data_ptr()) // w_base.element_size()
+        b_at = None if b is None else (local(b).data_ptr() - local(bias).data_ptr()) // local(bias).element_size()
+        offsets.append((w_at, b_at))
+    params = tuple((p.weight, p.bias) for p in parts)
+    leaf.__dict__[PACKED] = Packed(weight, bias, params, tuple(offsets), tuple(_hook_ids(p) for p in parts), call)
+    return True
+
+
+def _packed(tensors: list[torch.Tensor], dim: int, copy: bool) -> torch.Tensor | None:
+    whole = back_to_back([local(t) for t in tensors], dim)
+    if whole is None and copy:
+        whole = lay_out(tensors, dim)
+    return whole
+
+
+def _like(part: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """`whole` (local values) as the parts are held: a DTensor with the first part's mesh and placements (the parts'
+    shards laid out back to back are this rank's shard of the packed weight), else a plain tensor."""
+    if isinstance(part, DTensor):
+        return DTensor.from_local(whole, part.device_mesh, part.placements, run_check=False)
+    return whole
+
+
+def pack_all(model: nn.Module, copy: bool = False) -> int:
+    """`pack` every leaf of `model` (unsharded parts only); the number packed."""
+    return sum(pack(m, copy=copy) for m in model.modules()
+               if isinstance(m, (SplitRows, SplitProjection))
+               and not any(isinstance(p, DTensor) for p in m.parameters()))

@@ -20,7 +20,7 @@ from surgery.core.state_dict import weight_slices
 from surgery.parallel.transformers_plans import checkpoint_renames
 from surgery.parallel.plans import FilterFn
 from surgery.parallel.plans import checked_plan, linear_placements, plan_digest
-from surgery.parallel.tensor_parallel import apply_plans, one_dim_mesh
+from surgery.parallel.tensor_parallel import apply_plans, one_dim_mesh, pack_sharded
 
 
 def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
@@ -168,5 +168,6 @@ def _load_tensor_parallel(
     if left:
         raise SurgeryError(f"load_tensor_parallel: {left[0]!r} is not in the checkpoint and has no initializer.")
     apply_plans(model, planned, mesh, src_data_rank=None)
+    pack_sharded(model, planned, mesh)
     return model.eval(), planned
 

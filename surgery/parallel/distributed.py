@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from surgery.core.errors import SurgeryError
@@ -25,23 +26,49 @@ from surgery.core.errors import SurgeryError
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives dispatched inside it (`c10d` and functional ops) and the bytes they carry.
+# The aten ops a Linear becomes once dispatched (`linear` decomposes to `mm`/`addmm`, batched inputs to `bmm`), and the
+# ops that copy activations (a `cat` writes its inputs anew; `split`s are views, counted to see the cat-then-split).
+GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_int_mm"})
+COPIES = frozenset({"cat", "stack"})
+SPLITS = frozenset({"split", "split_with_sizes", "chunk", "unsafe_split", "unsafe_split_with_sizes"})
 
-    Works where `CommDebugMode` does not (it crashes on FLUX.2 in torch 2.13). `counts` maps op name to calls.
-    An op on DTensors is handed back to DTensor first (as `CommDebugMode` does), so that the collectives DTensor
-    inserts inside an op (a mean over a sharded dim resolved by the next op) are counted too, not only those that
-    the styles' hooks issue.
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the work dispatched inside it: collectives (`c10d` and functional ops) and the bytes they carry, GEMMs,
+    copies (`cat`) and splits, as each rank runs them: the local ops beneath DTensor's (never the fake ones of its
+    shape propagation).
+
+    Works where `CommDebugMode` does not (it crashes on FLUX.2 in torch 2.13). `counts` maps collective name to
+    calls; `ops` maps every other counted aten op (`mm`, `addmm`, `cat`, ...) to calls. An op on DTensors is handed back
+    to DTensor first (as `CommDebugMode` does), so that the collectives DTensor inserts inside an op (a mean over a
+    sharded dim resolved by the next op) are counted too, not only those that the styles' hooks issue.
     """
 
     def __init__(self):
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.ops: Counter[str] = Counter()
         self.bytes = 0
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def gemms(self) -> int:
+        return sum(n for op, n in self.ops.items() if op in GEMMS)
+
+    @property
+    def cats(self) -> int:
+        return sum(n for op, n in self.ops.items() if op in COPIES)
+
+    @property
+    def splits(self) -> int:
+        return sum(n for op, n in self.ops.items() if op in SPLITS)
+
+    def work(self) -> dict[str, int]:
+        """GEMMs, cats, splits and all-reduces (every collective) in one row, as the benchmarks print them."""
+        return {"gemm": self.gemms, "cat": self.cats, "split": self.splits, "collective": self.total}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):
@@ -52,7 +79,16 @@ class CollectiveCounter(TorchDispatchMode):
             first = args[0] if args else None
             tensors = first if isinstance(first, (list, tuple)) else [first]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        elif func.namespace == "aten" and (name in GEMMS or name in COPIES or name in SPLITS) and not _on_meta(args):
+            self.ops[name] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _on_meta(args: tuple) -> bool:
+    """Whether an op runs on meta or fake tensors: DTensor's shape propagation, not work."""
+    first = args[0] if args else None
+    first = first[0] if isinstance(first, (list, tuple)) and first else first
+    return isinstance(first, FakeTensor) or (isinstance(first, torch.Tensor) and first.is_meta)
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
