@@ -52,6 +52,7 @@ FP32_GRAD_TOL = 1e-5
 BF16_TOL = 3e-2
 
 
+
 def example_inputs(family: Family, config: dict, **kwargs) -> dict:
     """Seeded forward arguments for `family`'s model at `config` (see `Family.example_inputs`)."""
     return family.example_inputs(config, **kwargs)

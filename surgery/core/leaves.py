@@ -217,7 +217,8 @@ def twin(stock: type, name: str, method: str = "__call__") -> type:
     namespace: dict = {}
     code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} edited by surgery.core.leaves>",
                    "exec")
-    exec(code, getattr(stock, method).__globals__, namespace)
+    # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
+    exec(code, inspect.unwrap(getattr(stock, method)).__globals__, namespace)
     cls = type(name, (stock,), {
         method: namespace[method],
         "__module__": __name__,

@@ -89,8 +89,9 @@ class Family:
     # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
     # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
     replicated: dict = field(default_factory=dict)
-    # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
-    # published pipeline holds besides its transformer (`surgery plan --pipeline` builds each on meta)
+    # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
+    # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
+    # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
 
     def __repr__(self) -> str:
