@@ -54,7 +54,7 @@ def class_status(cls: type, world: int = 2) -> dict:
 def _short(reason: str) -> str:
     """A refusal as the table shows it: without the list of known plans and the advice that ends every one."""
     reason = re.sub(r" \(known: [^)]*\)", "", reason)
-    return reason.split(". Register a plan")[0].split(". Register one")[0]
+    return reason.split(". Register a plan")[0].split(" Register one")[0].rstrip(".")
 
 
 def table(rows: list[dict]) -> str:

@@ -371,9 +371,17 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
         raise SurgeryError(f"surgery.tensor_parallel: {type(model).__name__} is not sharded: {reason}.")
     if not planned:
         known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
+        left, total = unplanned_linears(model, planned)
+        first = ""
+        if left:
+            path = left[0][0]
+            owner = type(model.get_submodule(path.rpartition(".")[0])).__name__
+            why = next((f": no plan derived for '{p}': {plan.reason}" for p, _, plan in derived_in_blocks(model, [])
+                        if isinstance(plan, Refused) and path.startswith(p + ".")), ", and no derivation rule matches it")
+            first = f" The first of the {total} Linears in its transformer blocks is '{path}' (in a {owner}){why}."
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}). Register one with surgery.core.registry.register_tp_plan."
+            f"(known: {', '.join(known)}).{first} Register one with surgery.core.registry.register_tp_plan."
         )
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
