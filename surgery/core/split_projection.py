@@ -81,6 +81,9 @@ class SplitProjection(nn.Module):
     def parts_list(self) -> list[nn.Module]:
         return [self.attn_part, self.mlp_part]
 
+    def _apply(self, fn, recurse=True):
+        return repacked(self, super()._apply, fn, recurse)
+
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False, **kwargs):
         # the parts' weights are column views of one storage (not contiguous); a state dict is read by savers that
         # want contiguous tensors (safetensors), so it holds contiguous copies of those two
@@ -163,6 +166,9 @@ class SplitRows(nn.Module):
 
     def parts_list(self) -> list[nn.Module]:
         return list(self._modules.values())
+
+    def _apply(self, fn, recurse=True):
+        return repacked(self, super()._apply, fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get(PACKED)
@@ -352,3 +358,14 @@ def unpack_all(model: nn.Module) -> None:
     """Drop every leaf's `Packed` in `model` (the leaves then run their parts' own forwards)."""
     for m in model.modules():
         m.__dict__.pop(PACKED, None)
+
+
+def repacked(leaf: nn.Module, apply, fn, recurse: bool) -> nn.Module:
+    """`leaf._apply(fn)` (what `.to()`, `.cuda()`, `.half()` run), then its parts laid out back to back again where it
+    was packed: each part's values are moved on their own, and a pipeline moved to its device after `unfuse` would
+    otherwise run the parts' own forwards from then on."""
+    packed = leaf.__dict__.get(PACKED)
+    out = apply(fn, recurse)
+    if packed is not None and not any(p.is_meta for p in leaf.parameters()):
+        pack(leaf, call=packed.call, copy=True)
+    return out
