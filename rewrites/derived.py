@@ -1,4 +1,4 @@
-"""Families derived from diffusers' building blocks (`surgery.parallel.families.derived_family`): one row per model
+"""Families derived from diffusers' building blocks (`surgery.extend.derived_family`): one row per model
 class, data only: published configs with their source, tiny test configs, example inputs.
 
 Their rewrites (head-dim twins of the attention processors, elementwise q/k RMS norms) and their plans (q/k/v
@@ -9,9 +9,13 @@ all-reduce count.
 from __future__ import annotations
 
 import torch
+from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
+from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel, WanVACETransformerBlock
 
-from surgery.extend import derived_family
+from surgery.extend import derived_family, register_refused
 from surgery_rewrites.hunyuan_video import video_grid
 
 
@@ -33,6 +37,15 @@ def wan_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens
     if config.get("image_dim"):
         inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, config["image_dim"], generator=generator)
     return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+def wan_vace_inputs(config: dict, **kwargs) -> dict:
+    """`wan_inputs` plus a control video of `vace_in_channels` on the same latent grid."""
+    inputs = wan_inputs(config, **kwargs)
+    video = inputs["hidden_states"]
+    generator = torch.Generator().manual_seed(kwargs.get("seed", 0) + 1)
+    control = torch.randn(video.shape[0], config.get("vace_in_channels", 96), *video.shape[2:], generator=generator)
+    return {**inputs, "control_hidden_states": control.to(video)}
 
 
 _WAN = dict(attention_head_dim=128, cross_attn_norm=True, eps=1e-06, freq_dim=256, out_channels=16,
@@ -57,4 +70,41 @@ FAMILIES = (
         example_inputs=wan_inputs,
         test_configs={"tiny": _WAN_TINY, "tiny_i2v": {**_WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}},
     ),
+    derived_family(
+        "skyreels-v2", SkyReelsV2Transformer3DModel, attention=(SkyReelsV2Attention,),
+        variants={
+            "df-1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30,
+                        "inject_sample_info": True},
+            "t2v-14b": {**_WAN, "ffn_dim": 13824, "in_channels": 16, "num_attention_heads": 40, "num_layers": 40},
+            "i2v-1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 36, "num_attention_heads": 12, "num_layers": 30,
+                         "image_dim": 1280, "added_kv_proj_dim": 1536},
+        },
+        sources="diffusers scripts/convert_skyreelsv2_to_diffusers.py (SkyReels-V2-DF-1.3B-540P, "
+        "SkyReels-V2-T2V-14B-720P, SkyReels-V2-I2V-1.3B-540P)",
+        default_variant="t2v-14b",
+        example_inputs=wan_inputs,
+        test_configs={"tiny": _WAN_TINY},
+    ),
+    derived_family(
+        "wan-vace", WanVACETransformer3DModel, attention=(WanAttention,),
+        variants={
+            "1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30,
+                     "vace_layers": list(range(0, 30, 2)), "vace_in_channels": 96},
+        },
+        sources="diffusers scripts/convert_wan_to_diffusers.py (get_transformer_config: Wan-VACE-1.3B)",
+        default_variant="1.3b",
+        example_inputs=wan_vace_inputs,
+        test_configs={"tiny": {**_WAN_TINY, "vace_layers": [0, 1], "vace_in_channels": 8}},
+        # the VACE hint projections: proj_in reads the patch-embedded control video, proj_out writes the hint added
+        # to the main stream; both full-width hidden states every rank holds whole between the sharded attentions
+        replicated={WanVACETransformerBlock: dict.fromkeys(
+            ("proj_in", "proj_out"), "VACE hint projection of full-width hidden states every rank holds whole")},
+    ),
 )
+
+# Classes the derivation reads as shardable but which are not, refused at plan time with the reason.
+ROPE_ACROSS_WIDTH = ("its processor rotates q and k across the whole attention width before splitting heads (cos/sin "
+                     "of heads x head_dim per token): a rank's share of q/k needs its share of cos/sin, which no "
+                     "stock style gives")
+register_refused(LTXVideoTransformer3DModel, ROPE_ACROSS_WIDTH)
+register_refused(LTX2VideoTransformer3DModel, ROPE_ACROSS_WIDTH + "; its gated attention adds per-head gates")

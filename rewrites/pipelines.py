@@ -1,9 +1,10 @@
 """What each family's published pipeline holds besides its transformer: data for `surgery plan --pipeline`.
 
-Each entry: the `--model` name (`Family.model_name(variant)`) -> the pipeline class and its components, each `(class, config class or None,
+Each entry: the `--model` name (`Family.model_name(variant)`), or the name of a diffusers transformer class (every
+variant of the family holding it), -> the pipeline class and its components, each `(class, config class or None,
 config)`: built on the meta device from these numbers (a transformers model from its config class, a diffusers model
 from init arguments); the transformer is the family's own variant. `SOURCES` says where the numbers come from. No
-plan lives here (the text encoders' plans are transformers' own, or `rewrites/t5.py`), so `FAMILY` carries none.
+plan lives here (the text encoders' plans are transformers' own, or `rewrites/t5.py`, `umt5.py`, `clip.py`, `qwen3_vl.py`), so `FAMILY` carries none.
 """
 
 from __future__ import annotations
@@ -88,6 +89,84 @@ SMOLLM3_3B = ("transformers.SmolLM3ForCausalLM", "transformers.SmolLM3Config",
                    num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=65536, pad_token_id=128004,
                    tie_word_embeddings=True))
 
+# google/umt5-xxl config.json (Wan 2.1 / 2.2's and SkyReels-V2's text_encoder/: UMT5EncoderModel)
+UMT5_XXL = ("transformers.UMT5EncoderModel", "transformers.UMT5Config",
+            dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+                 relative_attention_max_distance=128, tie_word_embeddings=False))
+
+# google-t5/t5-11b config.json (Cosmos' text_encoder: T5 v1.0, ReLU MLP)
+T5_11B = ("transformers.T5EncoderModel", "transformers.T5Config",
+          dict(vocab_size=32128, d_model=1024, d_kv=128, d_ff=65536, num_layers=24, num_heads=128,
+               feed_forward_proj="relu", relative_attention_num_buckets=32))
+
+# google/gemma-2-2b(-it) config.json (Sana's text_encoder, Efficient-Large-Model/gemma-2-2b-it; Lumina2's)
+_GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                  sliding_window=4096, query_pre_attn_scalar=256, pad_token_id=0)
+# T5GemmaConfig gives its module configs its dropout rates: the encoder class alone reads them from its own
+T5GEMMA_2B_ENCODER = {**_GEMMA2_2B, "dropout_rate": 0.0, "attention_dropout": 0.0}
+GEMMA2_2B = ("transformers.Gemma2Model", "transformers.Gemma2Config", _GEMMA2_2B)
+
+# google/gemma-3-12b-it config.json (LTX-2's text_encoder: Gemma3ForConditionalGeneration, SigLIP tower included)
+GEMMA3_12B = (
+    "transformers.Gemma3ForConditionalGeneration", "transformers.Gemma3Config",
+    dict(
+        text_config=dict(vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=256, sliding_window=1024,
+                         query_pre_attn_scalar=256, max_position_embeddings=131072),
+        vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                           image_size=896, patch_size=14, vision_use_head=False),
+        mm_tokens_per_image=256,
+    ),
+)
+
+# THUDM/glm-4-9b-hf config.json (CogView4's text_encoder: GlmModel)
+GLM4_9B = ("transformers.GlmModel", "transformers.GlmConfig",
+           dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                num_attention_heads=32, num_key_value_heads=2, head_dim=128, partial_rotary_factor=0.5,
+                attention_bias=True, max_position_embeddings=131072, pad_token_id=151329))
+
+# google/t5gemma-2b-2b-ul2 config.json, its encoder (PRX's text_encoder: T5GemmaEncoder, a Gemma-2-2B stack)
+T5GEMMA_2B = ("transformers.models.t5gemma.modeling_t5gemma.T5GemmaEncoder", "transformers.T5GemmaModuleConfig",
+              T5GEMMA_2B_ENCODER)
+
+# Qwen/Qwen3-VL-8B-Instruct config.json (QwenImage-2.1's text_encoder; its transformer's context_in_dim, 4096, is
+# this model's hidden size)
+QWEN3_VL_8B = (
+    "transformers.Qwen3VLForConditionalGeneration", "transformers.Qwen3VLConfig",
+    dict(
+        text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                         rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                              mrope_interleaved=True), tie_word_embeddings=False),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                           deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304),
+        tie_word_embeddings=False,
+    ),
+)
+
+# Qwen2.5-VL-7B's text model alone (HunyuanVideo-1.5's text_encoder: Qwen2_5_VLTextModel)
+QWEN25_VL_7B_TEXT = ("transformers.Qwen2_5_VLTextModel", "transformers.Qwen2_5_VLTextConfig",
+                     QWEN25_VL_7B[2]["text_config"])
+
+# meta-llama/Llama-3.1-8B-Instruct config.json (HiDream-I1's text_encoder_4: LlamaForCausalLM)
+LLAMA31_8B = ("transformers.LlamaForCausalLM", "transformers.LlamaConfig",
+              dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=8192),
+                   tie_word_embeddings=False))
+
+# stabilityai/stable-diffusion-3(.5) text_encoder/ and text_encoder_2/ config.json (CLIP ViT-L/14 and OpenCLIP
+# bigG/14 with their projections; HiDream-I1's text_encoder and text_encoder_2 are the same two)
+CLIP_L_PROJECTION = ("transformers.CLIPTextModelWithProjection", "transformers.CLIPTextConfig",
+                     {**CLIP_L[2], "projection_dim": 768})
+CLIP_G_PROJECTION = ("transformers.CLIPTextModelWithProjection", "transformers.CLIPTextConfig",
+                     dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                          num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", projection_dim=1280))
+
 # diffusers' VAEs: their published configs are the classes' defaults, except FLUX.1's (16 latent channels)
 FLUX1_VAE = ("diffusers.AutoencoderKL", None,
              dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
@@ -122,14 +201,50 @@ PIPELINES: dict[str, dict] = {
        for v in ("i2v", "i2v-33ch")},
 }
 
+# diffusers transformer class -> what its published pipelines hold besides the transformer, for every `--model`
+# variant of the family holding that class (an entry under the variant's own name wins). Their VAEs are not
+# recorded: several families ship more than one (Wan 2.2's TI2V-5B has its own).
+_SD3 = {"pipeline": "StableDiffusion3Pipeline", "text_encoder": CLIP_L_PROJECTION,
+        "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL}
+BY_TRANSFORMER: dict[str, dict] = {
+    "WanTransformer3DModel": {"pipeline": "WanPipeline", "text_encoder": UMT5_XXL},
+    "SkyReelsV2Transformer3DModel": {"pipeline": "SkyReelsV2Pipeline", "text_encoder": UMT5_XXL},
+    "SanaTransformer2DModel": {"pipeline": "SanaPipeline", "text_encoder": GEMMA2_2B},
+    "Lumina2Transformer2DModel": {"pipeline": "Lumina2Pipeline", "text_encoder": GEMMA2_2B},
+    "LTX2VideoTransformer3DModel": {"pipeline": "LTX2Pipeline", "text_encoder": GEMMA3_12B},
+    "CogView4Transformer2DModel": {"pipeline": "CogView4Pipeline", "text_encoder": GLM4_9B},
+    "PRXTransformer2DModel": {"pipeline": "PRXPipeline", "text_encoder": T5GEMMA_2B},
+    "HunyuanVideo15Transformer3DModel": {"pipeline": "HunyuanVideo15Pipeline", "text_encoder": QWEN25_VL_7B_TEXT,
+                                         "text_encoder_2": BYT5_SMALL},
+    "HiDreamImageTransformer2DModel": {"pipeline": "HiDreamImagePipeline", "text_encoder": CLIP_L_PROJECTION,
+                                       "text_encoder_2": CLIP_G_PROJECTION, "text_encoder_3": T5_XXL,
+                                       "text_encoder_4": LLAMA31_8B},
+    "SD3Transformer2DModel": _SD3,
+    "ZImageTransformer2DModel": {"pipeline": "ZImagePipeline", "text_encoder": QWEN3_4B},
+    "Kandinsky5Transformer3DModel": {"pipeline": "Kandinsky5T2VPipeline", "text_encoder": QWEN25_VL_7B,
+                                     "text_encoder_2": CLIP_L},
+    "LTXVideoTransformer3DModel": {"pipeline": "LTXPipeline", "text_encoder": T5_XXL},
+    "MochiTransformer3DModel": {"pipeline": "MochiPipeline", "text_encoder": T5_XXL},
+    "CogVideoXTransformer3DModel": {"pipeline": "CogVideoXPipeline", "text_encoder": T5_XXL},
+    "PixArtTransformer2DModel": {"pipeline": "PixArtSigmaPipeline", "text_encoder": T5_XXL},
+    "CosmosTransformer3DModel": {"pipeline": "Cosmos2TextToImagePipeline", "text_encoder": T5_11B},
+}
+PIPELINES.update(BY_TRANSFORMER)
+PIPELINES["qwen-image-2.1"] = {"pipeline": "QwenImage21Pipeline", "text_encoder": QWEN3_VL_8B}
+
 SOURCES = (
     "Text encoders: the config.json of the checkpoints each pipeline's text_encoder/ holds (named beside each entry "
     "above; Mistral-Small-3.1-24B for FLUX.2-dev, Qwen3-4B/8B for FLUX.2-klein, T5-v1.1-XXL and CLIP ViT-L/14 for "
     "FLUX.1, Chroma and Bria, Qwen2.5-VL-7B for QwenImage / LongCat / HunyuanImage, llava-llama-3-8b for "
     "HunyuanVideo (its LlamaModel for text to video, the whole Llava model for image to video), SmolLM3-3B for "
-    "Bria-Fibo, byT5-small for HunyuanImage's glyph encoder), written from those files, not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
-    "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, Motif-Video and QwenImage-2.1 "
-    "(Qwen3-VL, whose transformers config ships a plan for its embedding only) are not recorded."
+    "Bria-Fibo, byT5-small for HunyuanImage's glyph encoder; UMT5-XXL for Wan and SkyReels-V2, Gemma-2-2B for Sana "
+    "and Lumina2, Gemma-3-12B for LTX-2, GLM-4-9B for CogView4, T5Gemma-2B-2B's encoder for PRX, Qwen2.5-VL-7B's "
+    "text model and byT5-small for HunyuanVideo-1.5, CLIP-L/bigG with projections and T5-XXL for SD3/3.5 and "
+    "HiDream (plus Llama-3.1-8B-Instruct), Qwen3-4B for Z-Image, Qwen2.5-VL-7B and CLIP-L for Kandinsky 5, "
+    "T5-XXL for LTX-Video, Mochi, CogVideoX and PixArt, T5-11B for Cosmos, Qwen3-VL-8B for QwenImage-2.1), written "
+    "from those files, not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
+    "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, and Motif-Video "
+    "(T5Gemma2) are not recorded."
 )
 
 

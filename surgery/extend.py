@@ -19,7 +19,15 @@ from surgery.core.errors import SurgeryError
 from surgery.core.leaves import (
     Leaf, Processors, columns, recast, register_edits, rows, runs_twin, swap_rewrite, translate, twin, under,
 )
-from surgery.core.registry import Family, Rewrite, families, family_of, register_family
+from surgery.core.registry import (
+    Family,
+    Rewrite,
+    families,
+    family_of,
+    register_family,
+    register_refused,
+    register_replicated,
+)
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection, SplitRows
@@ -28,7 +36,8 @@ from surgery.parallel.families import derived_family
 
 __all__ = [
     # describing a family
-    "Family", "derived_family", "register_family", "families", "family_of", "build",
+    "Family", "derived_family", "register_family", "families", "family_of", "build", "register_replicated",
+    "register_refused",
     # rewrites: a leaf swapped inside the stock class, or a class of its own
     "Rewrite", "swap_rewrite", "Leaf", "rows", "columns", "Processors", "twin", "runs_twin", "translate", "recast",
     "register_edits",

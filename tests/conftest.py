@@ -1,4 +1,31 @@
+import inspect
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+# The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 spawned ranks, published widths, the
+# notebooks. The README's command leaves them out (pyproject's addopts: -m "not heavy"); CI runs them second,
+# `python -m pytest -q tests -m heavy` (.ci/run). A case of a `parameterized.expand` test whose `world` argument is 4
+# is marked here: parameterized's generated methods take no decorator of their own.
+HEAVY_WORLD = 4
+
+
+def _world(item) -> int | None:
+    function = getattr(item, "obj", None)
+    original = getattr(function, "place_as", None)  # set by parameterized.expand on each generated case
+    if original is None or "world" not in inspect.signature(original).parameters:
+        return None
+    case = inspect.getclosurevars(function).nonlocals.get("p")
+    if case is None:
+        return None
+    index = list(inspect.signature(original).parameters).index("world") - 1  # after self
+    return case.args[index] if index < len(case.args) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _world(item) == HEAVY_WORLD:
+            item.add_marker(pytest.mark.heavy)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import resource
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -164,4 +166,35 @@ def run(rank: int, world: int, root: str) -> dict:
     plain = build(CONFIG, 0)
     case("cp_rank_0_only", lambda: surgery.context_parallel(plain, cp_mesh) if rank == 0 else None, where)
     case("cp_both_after", lambda: surgery.context_parallel(plain, cp_mesh), where)
+
+    # LoRA adapters on the sharded model: saved and loaded by every rank (rank 0 writes)
+    from peft import LoraConfig
+    from surgery.integration import lora_tp
+
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_out.0", "to_qkv_mlp_proj"],
+                                 init_lora_weights=False), adapter_name="x")
+    lora_tp.shard_lora(model)
+    lora = root / "lora" / "adapter"
+    case("lora_rank_0_only", lambda: model.save_lora_adapter(lora, adapter_name="x") if rank == 0 else None, lora)
+    case("lora_both_after", lambda: model.save_lora_adapter(lora, adapter_name="x"), lora)
+    case("lora_different_folders", lambda: model.save_lora_adapter(root / "lora" / f"a{rank}", adapter_name="x"),
+         root / "lora" / "a0", root / "lora" / f"a{rank}")
+    case("lora_different_names", lambda: model.load_lora_adapter(lora, adapter_name=f"y{rank}"), lora)
+    out["lora_different_names"]["adapters"] = sorted(model.peft_config)
+    original_write = lora_tp.write_adapter
+
+    def write_on_a_full_disk(*args, **kwargs):
+        # the kernel's own refusal (EFBIG, as a full disk gives ENOSPC), for this write only: the store that the
+        # process group uses is a file too
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, hard))
+        try:
+            return original_write(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+    with mock.patch.object(lora_tp, "write_adapter", write_on_a_full_disk if rank == 0 else original_write):
+        case("lora_disk_full_rank_0", lambda: model.save_lora_adapter(lora, adapter_name="x"), lora)
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 from pathlib import Path
 
 import torch
@@ -13,7 +14,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
 from flux2_testing import build, small_config
-from load_worker import PeakMemory
 from surgery.sight.report import local_bytes
 
 
@@ -63,10 +63,21 @@ def peak_memory(rank: int, world: int, root: str) -> dict:
     model = surgery.tensor_parallel(surgery.unfuse(fused), mesh, src_data_rank=None)
     del fused
     surgery.save_pretrained(model, Path(root) / "warmup", max_shard_size="100MB")  # lazy imports, one-time buffers
-    with PeakMemory() as memory:
-        surgery.save_pretrained(model, Path(root) / "measured", max_shard_size="100MB")
+    gc.collect()
+    # the kernel's own high-water mark, reset here (Linux: "5" to clear_refs), so that a peak between two samples of
+    # a sampling thread is not missed and the model's build before does not count
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    start = _status("VmRSS")
+    surgery.save_pretrained(model, Path(root) / "measured", max_shard_size="100MB")
+    peak = _status("VmHWM") - start
     size = sum(f.stat().st_size for f in (Path(root) / "measured").glob("*.safetensors"))
-    return {"peak": memory.peak, "local_bytes": local_bytes(model), "largest_tensor": largest, "checkpoint": size}
+    return {"peak": peak, "local_bytes": local_bytes(model), "largest_tensor": largest, "checkpoint": size}
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith(f"{field}:")).split()[1]) * 1024
 
 
 def lora_checks(rank: int, world: int, root: str) -> dict:

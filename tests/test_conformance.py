@@ -18,6 +18,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import pytest
 import torch
 from parameterized import parameterized
 from safetensors.torch import load_file
@@ -93,9 +94,9 @@ class Equivalence(unittest.TestCase):
             got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
             self.assertEqual(sorted(got), sorted(ref))
             for name, error in W.gradient_errors(got, ref).items():
-                self.assertLessEqual(error, W.FP32_TOL, name)
+                self.assertLessEqual(error, W.FP32_GRAD_TOL, name)
             for name, grad in ref_in.items():
-                self.assertLessEqual(rel_err(got_in[name], grad), W.FP32_TOL, name)
+                self.assertLessEqual(rel_err(got_in[name], grad), W.FP32_GRAD_TOL, name)
 
     @parameterized.expand(CASES, name_func=_name)
     def test_forward_bf16(self, family_name, config_name):
@@ -225,8 +226,8 @@ class TensorParallel(unittest.TestCase):
             self.assertGreater(r["sharded_params"], 0)
             self.assertLessEqual(r["forward"], W.FP32_TOL, f"rank {rank}")
             self.assertTrue(r["grad_keys_match"])
-            self.assertLessEqual(r["param_grads"], W.FP32_TOL, f"rank {rank}")
-            self.assertLessEqual(r["input_grads"], W.FP32_TOL, f"rank {rank}")
+            self.assertLessEqual(r["param_grads"], W.FP32_GRAD_TOL, f"rank {rank}")
+            self.assertLessEqual(r["input_grads"], W.FP32_GRAD_TOL, f"rank {rank}")
             self.assertEqual(r["bytes"], r["expected_bytes"])
             if r["expected_all_reduces"] is not None:
                 self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]})
@@ -234,11 +235,12 @@ class TensorParallel(unittest.TestCase):
                 self.assertLessEqual(r["diffusers_forward"], W.FP32_TOL)  # their plan is a fair baseline
                 self.assertLessEqual(sum(r["collectives"].values()), sum(r["diffusers_collectives"].values()))
 
+    @pytest.mark.heavy  # 4 spawned ranks: CI runs it second (tests/conftest.py)
     def test_world_4(self):
         for by_case in tp_results(4):
             for key, r in by_case.items():
                 self.assertLessEqual(r["forward"], W.FP32_TOL, key)
-                self.assertLessEqual(r["param_grads"], W.FP32_TOL, key)
+                self.assertLessEqual(r["param_grads"], W.FP32_GRAD_TOL, key)
                 self.assertEqual(r["bytes"], r["expected_bytes"], key)
                 if r["expected_all_reduces"] is not None:
                     self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]}, key)
@@ -250,7 +252,9 @@ class TensorParallel(unittest.TestCase):
 
 
 class Convert(unittest.TestCase):
-    @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
+    # families whose checkpoints differ between the layouts (a processor swap alone leaves every key as it is)
+    @parameterized.expand([c for c in TP_CASES if any(r.in_checkpoints for r in W.families()[c[0]].rewrites)],
+                          name_func=_name)
     def test_round_trip_through_the_unfused_layout_is_bitwise(self, family_name, config_name):
         source = Path(fused_checkpoint(family_name, config_name))
         family = surgery.extend.families()[family_name]

@@ -24,16 +24,12 @@ import surgery
 from surgery.core import registry
 from surgery.parallel import plans
 from surgery.parallel.distributed import fake_process_group
-from surgery.parallel.tensor_parallel import checked_plan
+from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
-# (Wan, the first of them, now shards by derivation: rewrites/derived.py.)
+# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py.)
 HALF_PLANNED = {
-    "LTX2VideoTransformer3DModel": dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8,
-                                        cross_attention_dim=16, audio_in_channels=8, audio_out_channels=8,
-                                        audio_num_attention_heads=2, audio_attention_head_dim=8,
-                                        audio_cross_attention_dim=16, num_layers=2, caption_channels=16),
     "SD3Transformer2DModel": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
                                   num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
                                   pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8),
@@ -49,9 +45,11 @@ HALF_PLANNED = {
     "CogVideoXTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                         time_embed_dim=8, text_embed_dim=16, num_layers=2, sample_width=8,
                                         sample_height=8, sample_frames=1, max_text_seq_length=8),
-    "SkyReelsV2Transformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                         text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32),
 }
+
+LTX2 = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+            audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=8,
+            audio_cross_attention_dim=16, num_layers=2, caption_channels=16)
 
 
 def tiny(name: str) -> nn.Module:
@@ -97,12 +95,26 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
         assert_unchanged(model, snap)
 
     def test_a_literal_plan_or_a_filter_names_what_stays_whole(self):
-        model = tiny("SkyReelsV2Transformer3DModel")
-        literal = {"blocks.*.ffn.net.0.proj": ColwiseParallel(), "blocks.*.ffn.net.2": RowwiseParallel()}
+        model = tiny("CogVideoXTransformer3DModel")
+        literal = {"transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),
+                   "transformer_blocks.*.ff.net.2": RowwiseParallel()}
         self.assertEqual(len(checked_plan(model, literal, None, 2)), 2)
         self.assertEqual(len(checked_plan(model, None, lambda m, fqn: True, 2)), 2)
         with self.assertRaises(surgery.SurgeryError):
             checked_plan(model, None, None, 2)
+
+
+class ExplicitRefusals(unittest.TestCase):
+    def test_ltx2_is_refused_with_its_reason_before_anything_changes(self):
+        # its attention would derive (the processor rule covers it), but q/k are rotated across the whole width
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.LTX2VideoTransformer3DModel(**LTX2))
+        snap = snapshot(model)
+        with fake_process_group(2):
+            with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: LTX2VideoTransformer3DModel "
+                                                              r"is not sharded: its processor rotates q and k across"):
+                surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        assert_unchanged(model, snap)
 
 
 class RegisteredFamiliesAreCovered(unittest.TestCase):

@@ -15,7 +15,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
+from surgery.app import coverage
 from surgery.core.registry import model_class, tp_plan_for
+from surgery.parallel.families import all_reduces
+from surgery.parallel.plans import planned_for, transformer_blocks
 from surgery.parallel.derive import (
     AcrossHeadsNorm,
     Refused,
@@ -26,7 +29,6 @@ from surgery.parallel.derive import (
     projection_plan,
     single_stream_parts,
 )
-from surgery.parallel.plans import transformer_blocks
 
 STOCK = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
@@ -109,3 +111,40 @@ class Refusals(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class AllReducesAndTheFamiliesPage(unittest.TestCase):
+    @parameterized.expand([(f.name,) for f in W.conformant_families()])
+    def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
+        # the hand-written families' counts (lambdas over the config) are independent of `all_reduces`
+        family = W.families()[family_name]
+        for config in family.test_configs.values():
+            with torch.device("meta"):  # the class as is: a test config may lie outside the published range
+                model = surgery.extend.unfuse(model_class(family)(**config))
+            read = sum(all_reduces(style) for _, _, plan in planned_for(model) for style in plan.values())
+            self.assertEqual(read, family.count_all_reduces(config))
+
+    def test_the_families_page_rows_of_registered_families_are_current(self):
+        page = coverage.DOC.read_text()
+        for family in W.conformant_families():
+            row = coverage.table([coverage.class_status(model_class(family))]).splitlines()[-1]
+            self.assertIn(row, page, "run `python -m surgery.app.coverage`")
+            self.assertIn("| sharded |", row)
+
+    def test_surgery_families_prints_a_row_per_class(self):
+        import contextlib
+        import io
+        from unittest import mock
+
+        from surgery.app import cli
+
+        classes = [diffusers.WanTransformer3DModel, diffusers.SD3Transformer2DModel]
+        out = io.StringIO()
+        with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
+            self.assertEqual(cli.main(["families"]), 0)
+        rows = out.getvalue().splitlines()
+        wan = W.families()["wan"]
+        self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
+        self.assertTrue(rows[3].startswith("| SD3Transformer2DModel |  | refused | 'transformer_blocks.0.attn.to_q'"),
+                        rows[3])
+        self.assertIn("JointAttnProcessor2_0", rows[3])

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 import surgery
 from flux2_testing import build, inputs, rel_err, small_config
 
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 # every Linear of the blocks by its stock name, the fused projections included (a regex, as PEFT takes it)
 STOCK_TARGETS = (r".*(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj|"
                  r"single_transformer_blocks\.\d+\.attn\.to_out|linear_in|linear_out)$")

@@ -54,10 +54,10 @@ class TokenRefiner(unittest.TestCase):
             self.assertLessEqual(rel_err(W.output(unfused, kw), W.output(fused, kw)), W.FP32_TOL)
         (_, ref), (_, got) = W.gradients(fused, kw, 1), W.gradients(unfused, kw, 1)
         got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
-        self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_TOL)
+        self.assertLessEqual(max(grad_errors(ref, got).values()), W.FP32_GRAD_TOL)
 
     def test_sharded_with_refiner_matches_single_device_fused_model(self):
         for r in run_on_cpu_ranks(sharded_case, 2):
             self.assertLessEqual(r["forward"], W.FP32_TOL)
-            self.assertLessEqual(r["grads"], W.FP32_TOL)
+            self.assertLessEqual(r["grads"], W.FP32_GRAD_TOL)
             self.assertEqual(r["collectives"], {"all_reduce": families()["hunyuan-image"].count_all_reduces(CONFIG)})

@@ -12,7 +12,7 @@ import unittest
 from surgery.testing import run_on_cpu_ranks
 import lora_tp_worker
 
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 FAMILIES = tuple(lora_tp_worker.CASES)
 OPERATIONS = ("load (file, sliced)", "set_adapters with weights (two adapters)", "fuse_lora",
               "unfuse_lora + set_adapters", "delete_adapters", "save_lora_adapter -> stock load",

@@ -1,5 +1,6 @@
 """The notebooks run top to bottom in a fresh kernel (their committed outputs come from such a run)."""
 
+import pytest
 import unittest
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import nbformat
 import page_width as PW
 from nbclient import NotebookClient
 from parameterized import parameterized
+
+pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 

@@ -15,7 +15,7 @@ import surgery
 from surgery.testing import keep_attention_backend, run_on_cpu_ranks
 from flux2_testing import build, inputs, rel_err, small_config
 
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 
 
 @functools.lru_cache(maxsize=None)

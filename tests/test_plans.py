@@ -38,7 +38,7 @@ from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
 from surgery_rewrites.flux2 import FAMILY, FEED_FORWARD_TP_PLAN, PARALLEL_SELF_ATTENTION_TP_PLAN
 
 CONFIG = "tp_wide"  # 2 double, 2 single blocks, 8 heads: splits over 2 ranks
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 NAMES = "from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *"
 
 

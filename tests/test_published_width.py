@@ -11,6 +11,7 @@ keeps 8 bits of mantissa, and the unfused model sums a split `proj_out` in anoth
 sharded loads and `fuse` bitwise.
 """
 
+import pytest
 import shutil
 import tempfile
 import unittest
@@ -18,7 +19,9 @@ import unittest
 from published_width_worker import user_paths
 from surgery.testing import run_on_cpu_ranks
 
-BF16_TOL = 3e-2
+pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
+
+from surgery.testing import BF16_TOL
 
 # (family, widest published variant, depth, paths). Every path runs at least once at published width; the ones
 # that write GB checkpoints (save_pretrained of the TP model, convert both ways, load_tensor_parallel of both layouts)

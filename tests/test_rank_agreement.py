@@ -9,7 +9,7 @@ import agreement_worker
 
 # Far below the cases' process-group timeout (agreement_worker.TIMEOUT_S): an answer, not a rank left waiting.
 PROMPT_S = 10
-FP32_TOL = 1e-5
+from surgery.testing import FP32_TOL
 
 
 @functools.lru_cache(maxsize=None)

@@ -107,9 +107,6 @@ class RewriteRefusals(unittest.TestCase):
             surgery.fuse(model)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class EveryFamily(unittest.TestCase):
     """The load pre-hook on every family that rewrites: either layout loads (strict), a fused tensor with 8 rows or
@@ -141,3 +138,7 @@ class EveryFamily(unittest.TestCase):
                 for strict in (True, False):
                     with self.assertRaisesRegex(RuntimeError, rf"size mismatch for {fused_name}"):
                         surgery.unfuse(seeded_model(family, config, 0)).load_state_dict(source, strict=strict)
+
+
+if __name__ == "__main__":
+    unittest.main()

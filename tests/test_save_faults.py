@@ -51,6 +51,17 @@ class SaveFaults(unittest.TestCase):
                              r"surgery.load_tensor_parallel within 3 s \(rank 0 did\)", "no call"),
         "cp_rank_0_only": (r"^SurgeryError: surgery.context_parallel: rank 1 did not call surgery.context_parallel "
                            r"within 3 s \(rank 0 did\)", "no call"),
+        "lora_rank_0_only": (r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 1 did not call "
+                             r"surgery.Flux2Transformer2DModel.save_lora_adapter within 3 s \(rank 0 did\)", "no call"),
+        "lora_different_folders": (r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 1 saves "
+                                   r"into '.*/lora/a1', rank 0 into '.*/lora/a0'; nothing was written. Pass the same "
+                                   r"folder on every rank \(rank 0 writes it\).$", None),
+        "lora_different_names": (r"^SurgeryError: surgery.Flux2Transformer2DModel.load_lora_adapter: rank 1 loads the "
+                                 r"adapter as 'y1', rank 0 as 'y0'; nothing was loaded. Pass the same adapter_name on "
+                                 r"every rank.$", None),
+        "lora_disk_full_rank_0": (r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 0 failed "
+                                  r"while writing the adapter \('.*/lora/adapter' is as it was\): SafetensorError: .*File too large "
+                                  r"\(os error 27\) \(rank 1 stopped with it\)$", None),
     }
 
     def test_every_rank_raises_at_once_and_nothing_is_left_behind(self):
@@ -80,9 +91,13 @@ class SaveFaults(unittest.TestCase):
 
     def test_collective_verbs_on_some_ranks_only_raise_and_the_next_call_meets(self):
         for rank, r in enumerate(results()):
-            for case in ("tp_both_after", "load_both_after", "cp_both_after"):
+            for case in ("tp_both_after", "load_both_after", "cp_both_after", "lora_both_after"):
                 self.assertIsNone(r[case]["error"], f"rank {rank} {case}")
             self.assertEqual(r["tp_both_after"]["sharded"], "DTensor")
+
+    def test_a_refused_adapter_load_loads_nothing(self):
+        for rank, r in enumerate(results()):
+            self.assertEqual(r["lora_different_names"]["adapters"], ["x"], f"rank {rank}")
 
     def test_files_the_save_does_not_own_are_kept(self):
         keep = results()[0]["keep"]

@@ -117,8 +117,9 @@ def outputs(encoder: nn.Module, tokens: torch.Tensor, mask: torch.Tensor) -> lis
     with torch.no_grad():
         out = encoder(input_ids=tokens, attention_mask=mask, output_hidden_states=True)
     found = list(out.hidden_states)
-    if getattr(out, "logits", None) is not None:
-        found.append(out.logits)
+    for pooled in ("logits", "pooler_output", "text_embeds"):  # CLIP's pooled outputs: SD3 and HiDream read them
+        if getattr(out, pooled, None) is not None:
+            found.append(getattr(out, pooled))
     return [t.full_tensor() if hasattr(t, "full_tensor") else t for t in found]
 
 
@@ -132,7 +133,7 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
     from surgery_rewrites import pipelines
     from surgery.core.build import default_dtype
 
-    spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL,
+    spec = {"mistral3": pipelines.MISTRAL_SMALL_3_1, "t5_xxl": pipelines.T5_XXL, "umt5_xxl": pipelines.UMT5_XXL,
             "qwen25_vl_text": pipelines.QWEN25_VL_7B}[name]
     cls_name, config_name, config = spec
     config = {**config}
@@ -140,7 +141,7 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
         config["text_config"] = {**config["text_config"], "num_hidden_layers": 1, "vocab_size": PUBLISHED_VOCAB}
         config["vision_config"] = {**config["vision_config"], "num_hidden_layers": 1, "hidden_size": 64,
                                    "intermediate_size": 64, "num_attention_heads": 2, "head_dim": 32}
-    elif name == "t5_xxl":
+    elif name in ("t5_xxl", "umt5_xxl"):
         config.update(num_layers=1, vocab_size=PUBLISHED_VOCAB)
     else:  # Qwen2.5-VL's text model alone
         cls_name, config_name = "transformers.Qwen2_5_VLTextModel", "transformers.Qwen2_5_VLTextConfig"
@@ -162,3 +163,106 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
         value = value * (3 / param.shape[-1]) ** 0.5 if param.dim() > 1 else 1.0 + 0.1 * value
         setattr(model.get_submodule(owner), leaf, nn.Parameter(value.to(torch.bfloat16), requires_grad=False))
     return model.eval()
+
+
+# --- the text encoders of the DiTs covered in the fourth round (one world-2 job: tests/test_text_encoders.py) ------
+
+def umt5(seed: int = 0, **overrides):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = dict(vocab_size=VOCAB, d_model=64, d_kv=8, d_ff=96, num_layers=2, num_heads=8,
+                  feed_forward_proj="gated-gelu", relative_attention_num_buckets=16, dropout_rate=0.0)
+    return _seeded(UMT5EncoderModel(UMT5Config(**{**config, **overrides})), seed)
+
+
+def _clip_config(**overrides):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(**{**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=8, max_position_embeddings=32, projection_dim=48,
+                                    bos_token_id=0, eos_token_id=VOCAB - 1), **overrides})
+
+
+def clip(seed: int = 0, **overrides):
+    from transformers import CLIPTextModel
+
+    return _seeded(CLIPTextModel(_clip_config(**overrides)), seed)
+
+
+def clip_projection(seed: int = 0, **overrides):
+    from transformers import CLIPTextModelWithProjection
+
+    return _seeded(CLIPTextModelWithProjection(_clip_config(hidden_act="gelu", **overrides)), seed)
+
+
+def gemma2(seed: int = 0, **text):
+    from transformers import Gemma2Config, Gemma2Model
+
+    return _seeded(Gemma2Model(Gemma2Config(**{**LM, "pad_token_id": 0, "sliding_window": 4, **text})), seed)
+
+
+def gemma3(seed: int = 0, **text):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    text_config = Gemma3TextConfig(**{**LM, "pad_token_id": 0, "sliding_window": 4, **text})
+    config = Gemma3Config(text_config=text_config, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=VOCAB - 1, boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3)
+    return _seeded(Gemma3ForConditionalGeneration(config), seed)
+
+
+def glm(seed: int = 0, **text):
+    from transformers import GlmConfig, GlmModel
+
+    return _seeded(GlmModel(GlmConfig(**{**LM, "pad_token_id": 0, **text})), seed)
+
+
+def t5gemma(seed: int = 0, **text):
+    from transformers import T5GemmaConfig
+    from transformers.models.t5gemma.modeling_t5gemma import T5GemmaEncoder
+
+    module = {**LM, "pad_token_id": 0, "sliding_window": 4, **text}
+    config = T5GemmaConfig(encoder=module, decoder=module, dropout_rate=0.0, attention_dropout=0.0)
+    return _seeded(T5GemmaEncoder(config.encoder), seed)
+
+
+def qwen3_vl(seed: int = 0, **text):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    text_config = {**LM, "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2],
+                                             "rope_theta": 10000.0}, **text}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+                  deepstack_visual_indexes=[0], num_position_embeddings=16)
+    return _seeded(Qwen3VLForConditionalGeneration(Qwen3VLConfig(text_config=text_config, vision_config=vision)),
+                   seed)
+
+
+def qwen25_vl_text(seed: int = 0, **text):
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    config = {**LM, "rope_parameters": {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0},
+              **text}
+    config.pop("head_dim")
+    return _seeded(Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**config)), seed)
+
+
+def llama_causal(seed: int = 0, **text):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _seeded(LlamaForCausalLM(LlamaConfig(**{**LM, **text})), seed)
+
+
+# name -> (builder, pipelines holding that class)
+DIT_ENCODERS = {
+    "umt5": (umt5, "WanPipeline (and Wan's I2V, VACE, Animate), SkyReelsV2Pipeline"),
+    "clip": (clip, "Kandinsky5T2VPipeline (text_encoder_2), FluxPipeline, HunyuanVideoPipeline"),
+    "clip_projection": (clip_projection, "StableDiffusion3Pipeline, HiDreamImagePipeline (CLIP-L and bigG)"),
+    "gemma2": (gemma2, "SanaPipeline, Lumina2Pipeline"),
+    "gemma3": (gemma3, "LTX2Pipeline"),
+    "glm": (glm, "CogView4Pipeline"),
+    "t5gemma": (t5gemma, "PRXPipeline"),
+    "qwen3_vl": (qwen3_vl, "QwenImage21Pipeline"),
+    "qwen25_vl_text": (qwen25_vl_text, "HunyuanVideo15Pipeline"),
+    "llama_causal": (llama_causal, "HiDreamImagePipeline (text_encoder_4)"),
+}

@@ -63,15 +63,16 @@ def run_pipelines(rank: int, world: int, mesh) -> dict:
 
 
 def run_published(rank: int, world: int, mesh) -> dict:
-    """One layer of Mistral3 (FLUX.2-dev), T5-XXL and Qwen2.5-VL's text model at published width, bf16."""
+    """One layer of Mistral3 (FLUX.2-dev), T5-XXL, UMT5-XXL (Wan) and Qwen2.5-VL's text model at published width,
+    bf16."""
     out = {}
     tokens = torch.randint(0, E.PUBLISHED_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(tokens)
     mask[1, 12:] = 0
-    for name in ("mistral3", "t5_xxl", "qwen25_vl_text"):
+    for name in ("mistral3", "t5_xxl", "umt5_xxl", "qwen25_vl_text"):
         encoder = E.published_layer(name)
         expected = E.outputs(encoder, tokens, mask)
-        surgery.tensor_parallel(encoder, mesh)
+        surgery.tensor_parallel(surgery.unfuse(encoder), mesh)
         got = E.outputs(encoder, tokens, mask)
         out[name] = {"error": max(rel_err(g.float(), e.float()) for g, e in zip(got, expected)),
                      "largest": max(p.numel() for p in encoder.parameters()),
@@ -109,4 +110,72 @@ def run_loading(rank: int, world: int, mesh, folder: str) -> dict:
             "shards": sum(isinstance(p, DTensor) and p.placements[0].is_shard() for p in ours.values()),
             "files": len(__import__("os").listdir(f"{folder}/{name}/text_encoder")),
         }
+    return out
+
+
+# what the DiTs' encoders may not split over 2 ranks: (name, builder, config overrides)
+DIT_REFUSALS = (("umt5_heads", E.umt5, dict(num_heads=3)),
+                ("clip_heads", E.clip, dict(hidden_size=48, num_attention_heads=3)),
+                ("glm_kv_heads", E.glm, dict(num_key_value_heads=1)))
+
+
+def _loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A fixed random weighting of every output: its gradient reaches every parameter the outputs depend on."""
+    generator = torch.Generator().manual_seed(1)
+    return sum((o * torch.randn(o.shape, generator=generator)).sum() for o in outputs)
+
+
+def _grads(encoder) -> dict[str, torch.Tensor]:
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    return {n: full(p.grad) for n, p in encoder.named_parameters() if p.grad is not None}
+
+
+def _grad_error(got: dict, expected: dict) -> float:
+    """The worst parameter's gradient error, relative to its own size. A gradient that is zero in exact arithmetic
+    (a key bias: softmax ignores a shift every key shares) holds rounding noise only: one under 1 % of the largest
+    is measured against that 1 %."""
+    largest = max(g.abs().max() for g in expected.values())
+    return max(((got[n] - g).abs().max() / max(g.abs().max(), 1e-2 * largest)).item() for n, g in expected.items())
+
+
+def run_dit_encoders(rank: int, world: int) -> dict:
+    """The DiTs' text encoders (`E.DIT_ENCODERS`): unfused (where registered) and sharded, against one device,
+    forward and backward; the collectives one forward makes; and the configs the mesh cannot split."""
+    from surgery.testing import CollectiveCounter
+
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, mask = E.ids()
+    out = {}
+    for name, (build, _) in E.DIT_ENCODERS.items():
+        encoder = build(0)
+        expected = E.outputs(encoder, tokens, mask)
+        with torch.enable_grad():
+            _loss(encoder(input_ids=tokens, attention_mask=mask, output_hidden_states=True).hidden_states).backward()
+        expected_grads = _grads(encoder)
+        encoder = build(0)
+        surgery.tensor_parallel(surgery.unfuse(encoder), mesh)
+        got = E.outputs(encoder, tokens, mask)
+        with CollectiveCounter() as counter, torch.no_grad():
+            encoder(input_ids=tokens, attention_mask=mask)
+        with torch.enable_grad():
+            hidden = encoder(input_ids=tokens, attention_mask=mask, output_hidden_states=True).hidden_states
+            _loss([h.full_tensor() if isinstance(h, DTensor) else h for h in hidden]).backward()
+        grads = _grads(encoder)
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in encoder.parameters())
+        out[name] = {
+            "error": max(rel_err(g, e) for g, e in zip(got, expected)),
+            "grad_error": _grad_error(grads, expected_grads),
+            "grads": len(grads), "expected_grads": len(expected_grads),
+            "outputs": len(expected),
+            "collectives": dict(counter.counts),
+            "sharded": _sharded(encoder),
+            "local_fraction": local / sum(p.numel() for p in build(0).parameters()),
+            "classes": sorted({type(m).__name__ for m in encoder.modules()}),
+        }
+    for name, build, overrides in DIT_REFUSALS:
+        try:
+            surgery.tensor_parallel(surgery.unfuse(build(0, **overrides)), mesh)
+            out[f"refusal_{name}"] = None
+        except surgery.SurgeryError as error:
+            out[f"refusal_{name}"] = str(error)
     return out

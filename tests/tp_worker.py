@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import torch
+import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -52,8 +53,13 @@ def check_case(rank, world, mesh, name, seed, batch, guidance) -> dict:
     result["allreduce_bytes"], result["diffusers_allreduce_bytes"] = ours.bytes, theirs.bytes
 
     unfused = surgery.unfuse(copy.deepcopy(fused))
-    sharded_bytes = sum(p.nbytes for n, p in unfused.named_parameters()
-                        if isinstance(model.get_parameter(n), DTensor) and model.get_parameter(n).placements[0].is_shard())
+    # the plan's intent for FLUX.2, written here rather than read back from the sharded model: every Linear of both
+    # block stacks is cut (colwise or rowwise; FLUX.2's have no bias), everything else is whole
+    intended = {f"{n}.{p}" for n, m in unfused.named_modules() if isinstance(m, nn.Linear) and "transformer_blocks." in n
+                for p, _ in m.named_parameters(recurse=False)}
+    actual = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    result["sharded_not_as_intended"] = sorted(intended ^ actual)
+    sharded_bytes = sum(p.nbytes for n, p in unfused.named_parameters() if n in intended)
     result["bytes"] = local_bytes(model)
     result["expected_bytes"] = local_bytes(unfused) - sharded_bytes + sharded_bytes // world
     result["diffusers_bytes"] = local_bytes(packed)

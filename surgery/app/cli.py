@@ -8,6 +8,7 @@ import sys
 import textwrap
 import torch
 
+from surgery.app import coverage
 from surgery.app.demo import demo_config, run
 from surgery.core.build import check_config, model_on_meta
 from surgery.core.errors import SurgeryError
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _inspect_command(commands, epilog)
     _explore_command(commands, epilog)
     _convert_command(commands, epilog)
+    _families_command(commands)
     return parser
 
 
@@ -130,6 +132,9 @@ def _plan_command(commands, epilog: str) -> None:
     plan.add_argument("--pipeline", action="store_true",
                       help="every component of the published pipeline (transformer, text encoders, VAE): bytes per "
                       "rank, sharded and replicated")
+    plan.add_argument("--quant", choices=["int8", "fp8", "q4"],
+                      help="GiB per rank with the sharded block Linears quantized (torchao int8 or float8 with per-row "
+                      "scales, GGUF Q4_K), the rest in --dtype: at --tp, or at every TP from 1 to 8")
     plan.add_argument("--show-plan", action="store_true",
                       help="print the plan surgery.tensor_parallel applies, one block of each kind, as a literal dict "
                       "of stock torch styles: valid Python to edit and pass as tensor_parallel(model, mesh, plan=...) "
@@ -196,6 +201,18 @@ def _convert_command(commands, epilog: str) -> None:
                          help="replace a checkpoint already in DST (other files there are kept)")
 
 
+def _families_command(commands) -> None:
+    """`surgery families`: every diffusers transformer class, sharded or refused."""
+    listing = commands.add_parser(
+        "families", formatter_class=_Formatter,
+        help="every diffusers transformer class: sharded (all-reduces per forward) or refused (the reason)",
+        description="Builds each class of diffusers.models.transformers on meta (its family's default published "
+        "config, else the class's defaults), unfuses it and plans it for 2 ranks as tensor_parallel does; prints "
+        "one row per class (docs/families.md is this table). Takes about a minute.",
+    )
+    listing.add_argument("--world", type=_positive, default=2, help="ranks to plan for (default 2)")
+
+
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--model", type=_model, default="flux2-klein-9b", metavar="MODEL",
@@ -242,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                                           ("--dp", args.dp > 1)) if given]
         if extra:
             parser.error(f"--show-plan prints the plan alone: drop {', '.join(extra)}")
+    elif args.command == "plan" and args.quant is not None:
+        extra = [flag for flag, given in (("--pipeline", args.pipeline), ("--cp", args.cp > 1), ("--dp", args.dp > 1))
+                 if given]
+        if extra:
+            parser.error(f"--quant plans the transformer over TP alone: drop {', '.join(extra)}")
     elif args.command == "plan" and args.tp is None:
         parser.error("the following arguments are required: --tp")
     try:
@@ -255,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
             return _plan_or_inspect(args)
         if args.command == "demo":
             return _demo(parser, args)
+        if args.command == "families":
+            print(coverage.table([coverage.class_status(cls, args.world) for cls in coverage.transformer_classes()]))
+            return 0
         if args.command == "convert":
             written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
                                          max_shard_size=args.max_shard_size, variant=args.variant)
@@ -295,6 +320,11 @@ def _plan_or_inspect(args: argparse.Namespace) -> int:
             return 0
         print(f"{name}: what surgery.unfuse rewrites (rows are views of the fused weight, columns are copies)\n")
         print(render.text_table(rows))
+        return 0
+    if args.quant is not None:
+        tps = [args.tp] if args.tp is not None else range(1, 9)
+        result = report.quantized_plan(config, tps, args.quant, family=family, dtype=getattr(torch, args.dtype))
+        print(json.dumps(result, indent=1) if args.json else report.quantized_plan_text(name, result))
         return 0
     if args.pipeline:
         if args.config is not None or args.cp > 1 or args.dp > 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
@@ -129,9 +131,11 @@ def check_hooks(module: nn.Module, path: str, verb: str, torch_hooks: bool = Tru
         )
 
 
-def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = False) -> None:
+def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = False,
+                 quantized: Callable[[torch.Tensor], bool] | None = None) -> None:
     """A Linear whose parameters get sliced or concatenated must be a plain, unsharded, unquantized `nn.Linear`
-    (`embedding=True`: a plain `nn.Embedding`, which the stock styles shard too)."""
+    (`embedding=True`: a plain `nn.Embedding`, which the stock styles shard too); parameters for which `quantized`
+    is True are the caller's to check (a verb that knows how to cut that layout)."""
     cls = type(module)
     if hasattr(module, "base_layer") or cls.__module__.startswith("peft"):
         raise SurgeryError(
@@ -158,6 +162,8 @@ def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = Fals
             f"sliced: run surgery.{verb} before quantizing or replacing layers."
         )
     for name, param in module.named_parameters(recurse=False):
+        if quantized is not None and quantized(param):
+            continue
         check_inference_tensor(param, f"{path}.{name}", verb)
         if type(param) not in (nn.Parameter, torch.Tensor) or not param.is_floating_point():
             raise SurgeryError(

@@ -131,11 +131,15 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 # --- twins: stock methods with listed edits, compiled from the installed diffusers source ---------------------------
 
 # The one rule for attention processors: a processor that reshapes by the stored head count, `(attn.heads, -1)`,
-# and reads `attn.heads` nowhere else, splits by the head size instead, so the same code runs on the whole module and
+# and reads `attn.heads` nowhere else (but in viewing a mask it prepared per head), splits by the head size instead, so the same code runs on the whole module and
 # on a rank that holds `heads / N` of them. The head size from the module's own `head_dim`, else from its global
 # widths (diffusers' generic `Attention` keeps no head_dim).
 HEADS_BY_COUNT = "(attn.heads, -1)"
 HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+# and a mask that `prepare_attention_mask` repeated once per head (the same mask for each) and the processor views
+# per head: kept once, broadcast over however many heads the rank holds
+MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
+MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
 
 # Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
 # must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
@@ -164,10 +168,12 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads)."""
     source = inspect.getsource(getattr(stock, method))
-    count = source.count(HEADS_BY_COUNT)
-    if not count or "attn.heads" in source.replace(HEADS_BY_COUNT, ""):
+    count, masks = source.count(HEADS_BY_COUNT), source.count(MASK_BY_COUNT)
+    if not count or "attn.heads" in source.replace(HEADS_BY_COUNT, "").replace(MASK_BY_COUNT, ""):
         return None
-    return ((HEADS_BY_COUNT, HEAD_DIM, count),)
+    if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
+        return None
+    return ((HEADS_BY_COUNT, HEAD_DIM, count),) + (((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ())
 
 
 def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:
@@ -211,7 +217,8 @@ def twin(stock: type, name: str, method: str = "__call__") -> type:
     namespace: dict = {}
     code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} edited by surgery.core.leaves>",
                    "exec")
-    exec(code, getattr(stock, method).__globals__, namespace)
+    # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
+    exec(code, inspect.unwrap(getattr(stock, method)).__globals__, namespace)
     cls = type(name, (stock,), {
         method: namespace[method],
         "__module__": __name__,

@@ -89,8 +89,9 @@ class Family:
     # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
     # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
     replicated: dict = field(default_factory=dict)
-    # `--model` name -> {"pipeline": class name, component name: (class, config class or None, config)}: what the
-    # published pipeline holds besides its transformer (`surgery plan --pipeline` builds each on meta)
+    # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
+    # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
+    # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -122,11 +123,14 @@ _tp_checks: dict[type[nn.Module] | str, Callable[[nn.Module, str, int], None]] =
 _tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
 _families: dict[str, Family] = {}
 _replicated: dict[type[nn.Module] | str, dict[str, str]] = {}
+_refused: dict[type[nn.Module], str] = {}
 
 
 def register(*rewrites: Rewrite) -> None:
     """Add rewrites for a model family that lives outside the `rewrites` package."""
     for rewrite in rewrites:
+        if any(r is rewrite for r in _registry):  # one rewrite shared by families of one attention class
+            continue
         if any(r.name == rewrite.name for r in _registry):
             raise ValueError(f"A rewrite named {rewrite.name!r} is already registered.")
         _registry.append(rewrite)
@@ -165,6 +169,16 @@ def register_replicated(cls: type[nn.Module] | str, linears: dict[str, str]) -> 
         if not isinstance(reason, str) or not reason.strip():
             raise ValueError(f"{cls!r}: replicated Linear {pattern!r} needs its reason, a sentence.")
     _replicated.setdefault(cls, {}).update(linears)
+
+
+def register_refused(cls: type[nn.Module], reason: str) -> None:
+    """Refuse to shard models of exactly class `cls`, with `reason` (one line: what the model does that the plans
+    cannot follow), where the derivation would otherwise plan it."""
+    _refused[cls] = reason
+
+
+def refused_reason(model: nn.Module) -> str | None:
+    return _refused.get(type(model))
 
 
 def replicated_for(module: nn.Module) -> dict[str, str]:

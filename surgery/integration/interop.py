@@ -11,6 +11,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.registry import registered
 from surgery.integration import diffusers_hooks
+from surgery.integration.diffusers_hooks import _is_diffusers_model
 from surgery.parallel.plans import block_path, planned_modules
 from surgery.core.walk import find_modules
 
@@ -60,7 +61,9 @@ def sync_diffusers_tp_plans(model: nn.Module) -> None:
     A model back in fused form loses the override and reads its class's packed plan again.
     """
     for module in model.modules():
-        if getattr(type(module), "_tp_plan", None) is None:
+        # diffusers' models only: a transformers model's instance `_tp_plan` is its own (merged from its configs by
+        # `post_init`), which `tensor_parallel` reads; popping it would leave the class's `lm_head` entry alone
+        if not _is_diffusers_model(module) or getattr(type(module), "_tp_plan", None) is None:
             continue
         if find_modules(module, fused=False):
             module._tp_plan = diffusers_tp_plan(module)
@@ -79,7 +82,8 @@ def sync_block_names(model: nn.Module) -> None:
         return
     for module in model.modules():
         cls = type(module)
-        if not any(getattr(cls, attr, None) for attr in BLOCK_NAME_LISTS):
+        # diffusers' models only: a transformers model's instance lists are its own (`post_init` sets them)
+        if not _is_diffusers_model(module) or not any(getattr(cls, attr, None) for attr in BLOCK_NAME_LISTS):
             continue
         present = {type(m).__name__ for m in module.modules()}
         for attr in BLOCK_NAME_LISTS:

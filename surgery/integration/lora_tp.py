@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+from surgery.parallel.quantized import mesh_of
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME
 from diffusers.loaders.lora_base import LORA_WEIGHT_NAME_SAFE
 from diffusers.loaders.lora_base import _best_guess_weight_name
@@ -47,7 +48,7 @@ import os
 from surgery.core.errors import SurgeryError
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
 from surgery.io.atomic import staged_folder
-from surgery.parallel.agreement import agree
+from surgery.parallel.agreement import agree, agree_and_share
 from surgery.parallel.plans import planned_modules
 from surgery.parallel.tensor_parallel import place
 
@@ -74,9 +75,9 @@ def tp_mesh(model: nn.Module, styles: Mapping[str, ParallelStyle] | None = None)
     """The 1-D mesh the planned Linears of `model` are sharded over (None when the model is not sharded)."""
     styles = linear_styles(model) if styles is None else styles
     for path in styles:
-        weight = _base_weight(model.get_submodule(path))
-        if isinstance(weight, DTensor):
-            return weight.device_mesh
+        mesh = mesh_of(_base_weight(model.get_submodule(path)))  # a quantized weight's mesh is its inner tensors'
+        if mesh is not None:
+            return mesh
     return None
 
 
@@ -157,31 +158,32 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     Every rank calls it at the same point: a rank whose peers do not call it raises after the handshake timeout
     (`SURGERY_HANDSHAKE_TIMEOUT`), naming them, and a refusal on any rank raises on every rank before anything moves.
     """
-    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
-
     styles = linear_styles(model)
     mesh = mesh if mesh is not None else tp_mesh(model, styles)
     if mesh is None:
         raise SurgeryError("surgery.lora.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
                            "first (then add the adapters, then shard_lora).")
-
-    def check() -> list:
-        todo = []
-        for path, style in styles.items():
-            layer = model.get_submodule(path)
-            if not isinstance(layer, LoraLayer):
-                continue
-            for name in layer.lora_A:
-                if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
-                    raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's weight "
-                                       "norm needs the whole base weight, which a sharded Linear does not hold.")
-                todo.append((layer, name, style))
-        return todo
-
     # every rank first (a rank alone would wait in the first broadcast forever): the handshake names a missing rank
-    for layer, name, style in agree(mesh, "lora.shard_lora", check):
+    for layer, name, style in agree(mesh, "lora.shard_lora", lambda: _adapter_layers(model, styles)):
         lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
     return model
+
+
+def _adapter_layers(model: nn.Module, styles: dict) -> list:
+    """(LoRA layer, adapter name, base style) for each adapter on a sharded Linear; refuses DoRA."""
+    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
+
+    todo = []
+    for path, style in styles.items():
+        layer = model.get_submodule(path)
+        if not isinstance(layer, LoraLayer):
+            continue
+        for name in layer.lora_A:
+            if getattr(layer, "lora_magnitude_vector", None) and name in layer.lora_magnitude_vector:
+                raise SurgeryError(f"surgery.lora.shard_lora: '{path}' holds a DoRA adapter {name!r}; DoRA's "
+                                   "weight norm needs the whole base weight, which a sharded Linear does not hold.")
+            todo.append((layer, name, style))
+    return todo
 
 
 # --- reading only this rank's slices ---------------------------------------------------------------------------------
@@ -467,7 +469,11 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
         _check(model, state, head, adapter_name, hotswap, said, source_name)
         return state, metadata, alphas
 
-    state, metadata, alphas = agree(mesh, verb, check)
+    (state, metadata, alphas), names = agree_and_share(mesh, verb, check, lambda _: adapter_name)
+    if len(set(names)) > 1:  # each rank would hold its adapter under another name: later calls by name would part
+        odd = next(r for r, n in enumerate(names) if n != names[0])
+        raise SurgeryError(f"{said}: rank {odd} loads the adapter as {names[odd]!r}, rank 0 as {names[0]!r}; nothing "
+                           "was loaded. Pass the same adapter_name on every rank.")
     params = dict(model.named_parameters())
     tensors = {}
     for key, factor in state.items():
@@ -490,7 +496,9 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
             type(model).load_lora_adapter(model, tensors, prefix=prefix, hotswap=hotswap, metadata=metadata,
                                           network_alphas=alphas, adapter_name=adapter_name,
                                           low_cpu_mem_usage=True, **kwargs)
-        shard_lora(model, mesh, src_data_rank=None)
+        # inside this verb, which every rank entered: no agreement of its own, and with no source rank no collective
+        for layer, name, style in _adapter_layers(model, styles):
+            lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, None)
     except BaseException as caught:  # noqa: BLE001 - every rank hears of it below
         error = caught
 
@@ -541,7 +549,11 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
         if target.is_file():
             raise SurgeryError(f"{verb}: '{target}' is a file; pass a folder.")
 
-    agree(mesh, verb, check)
+    folders = agree_and_share(mesh, verb, check, lambda _: os.path.abspath(target))[1]
+    if len(set(folders)) > 1:  # rank 0 alone writes: another rank's folder would stay empty, unseen
+        odd = next(r for r, f in enumerate(folders) if f != folders[0])
+        raise SurgeryError(f"surgery.{verb}: rank {odd} saves into '{folders[odd]}', rank 0 into '{folders[0]}'; "
+                           "nothing was written. Pass the same folder on every rank (rank 0 writes it).")
     state_dict, config = stock_lora_adapter(model, adapter_name)  # collectives: every rank, same order
     error: BaseException | None = None
     if torch.distributed.get_rank() == 0:  # one writer, also when several TP groups (data-parallel) call it
@@ -555,4 +567,4 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
         if error is not None:
             raise error
 
-    agree(mesh, verb, done, during="while writing the adapter")
+    agree(mesh, verb, done, during=f"while writing the adapter ('{target}' is as it was)")

@@ -172,9 +172,9 @@ def single_stream_parts(block: nn.Module) -> tuple[str, str, str] | None:
     width is theirs summed); None for any other module."""
     children = dict(block.named_children())
     for a, attn in children.items():
-        if not is_attention(attn) or _child(attn, "to_out") is not None:
+        q = getattr(attn, "to_q", None) if is_attention(attn) else None
+        if not isinstance(q, nn.Linear) or _child(attn, "to_out") is not None:
             continue
-        q = attn.to_q
         for m, mlp in children.items():
             if not isinstance(mlp, nn.Linear) or mlp.in_features != q.in_features:
                 continue

@@ -3,6 +3,9 @@ example inputs; its rewrites, plans and all-reduce count are derived (`surgery.p
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
@@ -15,6 +18,7 @@ from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
 from surgery.parallel.plans import planned_for
 
 
+@functools.cache  # one rewrite per class, shared by the families that hold it
 def attention_rewrite(cls: type[nn.Module]) -> Rewrite | None:
     """The unfuse rewrite a diffusers attention class needs for its derived plan: its processors that reshape by the
     stored head count run their head-dim twins (the processor rule), and its `torch.nn.RMSNorm` q/k norms compute in
@@ -22,8 +26,10 @@ def attention_rewrite(cls: type[nn.Module]) -> Rewrite | None:
     processors = tuple(p for p in getattr(cls, "_available_processors", ()) if rule_edits(p) is not None)
     if not processors:
         return None
-    return swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
-                        children=dict.fromkeys(QK_NORMS, elementwise_norm))
+    rewrite = swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
+                           children=dict.fromkeys(QK_NORMS, elementwise_norm))
+    # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
+    return replace(rewrite, in_checkpoints=False)
 
 
 def derived_all_reduces(family: Family, config: dict) -> int:

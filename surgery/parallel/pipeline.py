@@ -120,12 +120,16 @@ def report_text(report: list[dict]) -> str:
 
 
 def pipeline_components(model_name: str) -> dict:
-    """The recorded components of a published pipeline (`Family.pipelines`), by `--model` name."""
+    """The recorded components of a published pipeline (`Family.pipelines`), by `--model` name: the entry under that
+    name, else the one under its transformer's class name."""
     family, variant = resolve_model(model_name)
     key = family.model_name(variant)
-    for owner in families().values():
-        if key in owner.pipelines:
-            return dict(owner.pipelines[key])
+    # the variant's own entry, else the one every variant of its transformer class shares
+    transformer = family.model_class if isinstance(family.model_class, str) else family.model_class.__name__
+    for wanted in (key, transformer.rpartition(".")[2]):
+        for owner in families().values():
+            if wanted in owner.pipelines:
+                return dict(owner.pipelines[wanted])
     known = sorted(k for f in families().values() for k in f.pipelines)
     raise SurgeryError(f"no pipeline components are recorded for {key!r}; known: {', '.join(known)}.")
 

@@ -27,10 +27,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
+from surgery.parallel import quantized as quant
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import replicated_for, tp_plan_for, tp_plans
+from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
 
@@ -364,11 +366,22 @@ def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> 
 def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     """Every check of a plan against the model and a mesh of `world` ranks, before anything changes."""
     check_unfused(model)
+    reason = refused_reason(model)
+    if reason is not None:
+        raise SurgeryError(f"surgery.tensor_parallel: {type(model).__name__} is not sharded: {reason}.")
     if not planned:
         known = sorted(getattr(cls, "__name__", str(cls).rpartition(".")[2]) for cls in tp_plans())
+        left, total = unplanned_linears(model, planned)
+        first = ""
+        if left:
+            path = left[0][0]
+            owner = type(model.get_submodule(path.rpartition(".")[0])).__name__
+            why = next((f": no plan derived for '{p}': {plan.reason}" for p, _, plan in derived_in_blocks(model, [])
+                        if isinstance(plan, Refused) and path.startswith(p + ".")), ", and no derivation rule matches it")
+            first = f" The first of the {total} Linears in its transformer blocks is '{path}' (in a {owner}){why}."
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}). Register one with surgery.core.registry.register_tp_plan."
+            f"(known: {', '.join(known)}).{first} Register one with surgery.core.registry.register_tp_plan."
         )
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
@@ -391,9 +404,12 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
             if placements is None:
                 continue
             linear_path = f"{path}.{key}" if path else key
-            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding))
+            check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding),
+                         quantized=quant.quantized)
             check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
             dim = placements["weight"][0].dim
+            if quant.quantized(linear.weight):
+                quant.check_split(linear.weight, dim, world, f"{linear_path}.weight")
             size = linear.weight.shape[dim]
             if size % world:
                 what = "output features" if dim == 0 else "input features"

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.errors import SurgeryError
 from surgery.core.split_projection import SplitRows, pack
+from surgery.parallel import quantized as quant
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.parallel.plans import FilterFn, Planned, block_plans, checked_plan, linear_placements, plan_digest
 
@@ -40,22 +41,37 @@ def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh
 
 
-def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> list:
     """Place the planned Linears' parameters that are not on the mesh's device as DTensors, moving only shards.
 
     torch's `distribute_tensor` would first move each whole weight to the device; here each rank slices its shard
     where the weight is and moves just that. The stock styles then find their parameters already placed.
+
+    A quantized weight (`surgery.parallel.quantized`) becomes torchao's own sharded layout, which the stock styles
+    cannot take (they would `distribute_tensor` it): it waits aside, a meta DTensor of its placement standing in
+    while the styles run; returns (Linear, name, Parameter) for `apply_block` to put back.
     """
+    aside = []
     for key, style in plan.items():
         linear = module.get_submodule(key)
         placements = linear_placements(style, linear)
         if placements is None:
             continue
         for name, param in list(linear.named_parameters(recurse=False)):
+            if quant.quantized(param):
+                placement = placements[name][0]
+                sharded = quant.shard_quantized(param.detach(), placement, mesh, src_data_rank,
+                                                f"{key}.{name}", place)
+                aside.append((linear, name, nn.Parameter(sharded, requires_grad=False)))
+                pieces = torch.empty(param.shape, device="meta").chunk(mesh.size(), placement.dim)
+                stand_in = DTensor.from_local(pieces[mesh.get_local_rank()], mesh, (placement,), run_check=False)
+                setattr(linear, name, nn.Parameter(stand_in, requires_grad=False))
+                continue
             if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
                 continue
             tensor = place(param.detach(), placements[name][0], mesh, src_data_rank)
             setattr(linear, name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+    return aside
 
 
 def place(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> DTensor:
@@ -89,6 +105,9 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
     src = dist.get_global_rank(group, src_data_rank)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
+            if quant.quantized(tensor):
+                quant.broadcast_quantized(tensor, mesh, src_data_rank)
+                continue
             if isinstance(tensor, DTensor):
                 if not all(p.is_replicate() for p in tensor.placements):
                     continue
@@ -196,10 +215,12 @@ def apply_block(block: nn.Module, plan: dict, own: ParallelStyle | None, mesh: D
                 src_data_rank: int | None) -> None:
     """One stock `parallelize_module` call for a block's plan (plus one for the block's own style); parameters
     already placed as DTensors, by `shard_on_host` or a sharded load, pass through the stock styles untouched."""
-    shard_on_host(block, plan, mesh, src_data_rank)
+    aside = shard_on_host(block, plan, mesh, src_data_rank)
     parallelize_module(block, mesh, plan, src_data_rank=src_data_rank)
     if own is not None:
         parallelize_module(block, mesh, own, src_data_rank=src_data_rank)
+    for linear, name, param in aside:
+        linear.register_parameter(name, param)
 
 
 def apply_plans(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_rank: int | None) -> None:
@@ -267,6 +288,9 @@ class ModuleStates:
                 if original is None or module._parameters.get(name) is original:
                     continue
                 self.released.append((module, name, original, original.shape))
+                if quant.quantized(original):
+                    quant.release(original)
+                    continue
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
 
     def refill(self) -> None:
@@ -275,6 +299,9 @@ class ModuleStates:
         with torch.no_grad():
             for module, name, original, shape in getattr(self, "released", []):
                 current = module._parameters[name]
+                if quant.quantized(original):
+                    quant.refill(original, current)
+                    continue
                 if original.is_meta or current.is_meta:
                     original.data = torch.empty(shape, dtype=original.dtype, device="meta")
                     continue
@@ -292,35 +319,48 @@ def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_da
 
     A scatter per parameter where the originals sit on the mesh's device (as torch's `distribute_tensor` does); one
     broadcast per shard where they sit elsewhere, so that only one shard at a time is moved to the device. The
-    ranks agreed on where their weights sit (the fingerprint), so they all take the same branch.
+    ranks agreed on where their weights sit (the fingerprint), so they all take the same branch. A quantized
+    weight's sharded inner tensors (values, per-row scales) are sent the same way, each cut from its original.
     """
-    group = mesh.get_group()
-    src = dist.get_global_rank(group, src_data_rank)
-    me, world = mesh.get_local_rank(), mesh.size()
+    src = dist.get_global_rank(mesh.get_group(), src_data_rank)
     with torch.no_grad():
         for module in model.modules():
             for name, param in module._parameters.items():
-                if not isinstance(param, DTensor) or not param.placements[0].is_shard():
-                    continue
                 original = originals.get((id(module), name))
                 if original is None or original is param:
                     # sharded before this block was (a root plan over blocks that were sharded on their own):
                     # its values came from the source rank then. Every rank skips it alike.
                     continue
-                local = param._local_tensor
-                original = original.detach()
-                pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
-                if original.device.type == mesh.device_type:
-                    scatter = [p.contiguous() for p in pieces] if pieces is not None else None
-                    dist.scatter(local, scatter, src=src, group=group)
+                if quant.quantized(param):
+                    pairs = quant.inner_pairs(param, original)
+                elif isinstance(param, DTensor) and param.placements[0].is_shard():
+                    pairs = [(param, original)]
+                else:
                     continue
-                for i in range(world):
-                    if i == src_data_rank:
-                        continue
-                    buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
-                    dist.broadcast(buffer, src=src, group=group)
-                    if i == me:
-                        local.copy_(buffer)
+                for sharded, whole in pairs:
+                    copy_shard(sharded, whole.detach(), mesh, src, src_data_rank)
+
+
+def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: int, src_data_rank: int) -> None:
+    """Rank `src_data_rank`'s cut of `original` into this rank's shard of `param` (see `copy_from_source`)."""
+    group = mesh.get_group()
+    me, world = mesh.get_local_rank(), mesh.size()
+    local = param._local_tensor
+    pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
+    if local.dtype.itemsize == 1 and local.is_floating_point():  # gloo sends no float8: send its bytes
+        local = local.view(torch.uint8)
+        pieces = [p.contiguous().view(torch.uint8) for p in pieces] if pieces is not None else None
+    if original.device.type == mesh.device_type:
+        scatter = [p.contiguous() for p in pieces] if pieces is not None else None
+        dist.scatter(local, scatter, src=src, group=group)
+        return
+    for i in range(world):
+        if i == src_data_rank:
+            continue
+        buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
+        dist.broadcast(buffer, src=src, group=group)
+        if i == me:
+            local.copy_(buffer)
 
 
 def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:

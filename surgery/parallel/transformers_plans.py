@@ -62,7 +62,8 @@ def stock_plan(model: nn.Module, skip: Callable[[str], bool] = lambda path: Fals
 
     Entries are grouped by the parent of the planned module (`layers.3.self_attn` -> `{"q_proj": ...}`), as the
     registered per-class plans are. `skip(path)` drops modules already covered by a registered plan. Parameters
-    shared by two modules (tied input and output embeddings) are left whole: sharding one would untie them. A style
+    shared by two modules (tied input and output embeddings) are left whole: sharding one would untie them; so are
+    embeddings of a subclass (Gemma's scaled ones). A style
     name without a stock equivalent is an error naming it.
     """
     plan = transformers_tp_plan(model)
@@ -84,6 +85,10 @@ def stock_plan(model: nn.Module, skip: Callable[[str], bool] = lambda path: Fals
     grouped: dict[str, dict[str, ParallelStyle]] = {}
     for path, module, style in chosen:
         if path in tied:
+            continue
+        if isinstance(module, nn.Embedding) and type(module) is not nn.Embedding:
+            # Gemma's embedding scales its lookup in its own forward: left whole, like any layer that is not the
+            # stock class the stock styles were written for
             continue
         if style not in STOCK_STYLES:
             raise SurgeryError(

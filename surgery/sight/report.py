@@ -22,6 +22,7 @@ from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.context_parallel import context_parallel
 from surgery.parallel.distributed import CollectiveCounter, fake_process_group
+from surgery.parallel.plans import check_plan, linear_placements, planned_for
 from surgery.parallel.tensor_parallel import tensor_parallel
 
 
@@ -386,3 +387,83 @@ def _add_fsdp_all_gathers(collectives: dict, model: nn.Module, units: list[nn.Mo
     collectives["fsdp_all_gathers"] = {"count": len(gathers), "bytes": sum(gathers)}
 
 
+
+
+# Bytes a quantized block Linear weight of `rows x cols` (this rank's part) stores, by format: torchao int8 keeps an
+# fp32 scale and an int8 zero point per row, torchao float8 an fp32 scale per row; GGUF Q4_K packs 256 columns in a
+# 144-byte block (4.5 bits per weight), so a column cut must fall on a multiple of 256.
+QUANT_FORMATS = {
+    "int8": {"bytes": lambda rows, cols: rows * cols + 5 * rows, "block": 1, "what": "torchao int8, per-row scale"},
+    "fp8": {"bytes": lambda rows, cols: rows * cols + 4 * rows, "block": 1, "what": "torchao float8, per-row scale"},
+    "q4": {"bytes": lambda rows, cols: rows * (cols // 256) * 144, "block": 256, "what": "GGUF Q4_K, 256-wide blocks"},
+}
+
+
+def quantized_plan(model: str | dict, tps, quant: str, *, family: Family | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Per-rank bytes of `model` with every Linear's weight quantized (`quant`, a `QUANT_FORMATS` key: what torchao's
+    `quantize_(model, config)` does by default) and everything else in `dtype`, at each tensor-parallel size in `tps`;
+    a size the plan cannot split (heads, widths) or whose column cut falls inside a quantization block gets the reason
+    instead of a number. A whole (unsharded) weight whose columns are no multiple of the block stays in `dtype`, as
+    GGUF converters keep such tensors.
+
+    Builds the unfused model once on meta and reads each planned Linear's style (colwise cuts rows, rowwise cuts
+    columns); allocates nothing and runs no forward.
+    """
+
+    if quant not in QUANT_FORMATS:
+        raise SurgeryError(f"surgery plan: --quant {quant!r} is not one of {', '.join(QUANT_FORMATS)}.")
+    fmt = QUANT_FORMATS[quant]
+    family, config = resolve_config(model, family)
+    model = unfuse(model_on_meta(family, config, dtype))
+    planned = planned_for(model)
+    cuts: dict[str, tuple[str, int]] = {}  # parameter name -> (kind, cut dim)
+    for path, module, plan in planned:
+        for key, style in plan.items():
+            linear = module.get_submodule(key)
+            placements = linear_placements(style, linear)
+            if placements is None or not isinstance(linear, nn.Linear):
+                continue
+            prefix = ".".join(p for p in (path, key) if p)
+            for name in ("weight", "bias"):
+                if getattr(linear, name, None) is not None:
+                    placement = placements[name][0]
+                    cuts[f"{prefix}.{name}"] = (name, placement.dim if placement.is_shard() else -1)
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            cuts.setdefault(f"{path}.weight", ("weight", -1))
+    element = torch.empty(0, dtype=dtype).element_size()
+    params = dict(model.named_parameters())
+    rows = []
+    for tp in tps:
+        try:
+            check_plan(model, planned, tp)
+        except SurgeryError as error:
+            rows.append({"tp": tp, "bytes_per_rank": None, "refused": str(error).split(": ", 1)[-1]})
+            continue
+        total, refused = 0, None
+        for name, param in params.items():
+            kind, dim = cuts.get(name, (None, -1))
+            shape = list(param.shape)
+            if dim >= 0:
+                shape[dim] //= tp
+            if kind == "weight" and (dim == 1 or shape[1] % fmt["block"] == 0):
+                r, c = shape
+                if c % fmt["block"]:
+                    refused = (f"'{name}': {c} columns per rank is not a multiple of {quant}'s {fmt['block']}-wide "
+                               "blocks")
+                    break
+                total += fmt["bytes"](r, c)
+            else:
+                total += torch.Size(shape).numel() * element
+        rows.append({"tp": tp, "bytes_per_rank": None if refused else total, "refused": refused})
+    return {"family": family.name, "quant": quant, "format": fmt["what"], "dtype": str(dtype).removeprefix("torch."),
+            "rows": rows}
+
+
+def quantized_plan_text(name: str, result: dict) -> str:
+    lines = [f"{name}: Linears {result['format']}, the rest {result['dtype']}; GiB per rank"]
+    for row in result["rows"]:
+        value = f"{row['bytes_per_rank'] / 2**30:8.2f}" if row["bytes_per_rank"] is not None else "       -"
+        lines.append(f"  TP {row['tp']}: {value}" + (f"   refused: {row['refused']}" if row["refused"] else ""))
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""UMT5 (transformers), the text encoder of Wan 2.x and SkyReels-V2 (`UMT5EncoderModel`, google/umt5-xxl): transformers
+ships no tensor-parallel plan for it, so this is a literal stock one, as for T5 (`rewrites/t5.py`).
+
+Unlike T5, UMT5's attention views q/k/v by its stored head count (`view(batch, -1, self.n_heads, d_kv)`), which is
+wrong on a rank holding `n_heads / N` heads. `unfuse` swaps each `UMT5Attention` for its head-dim twin (the stock
+forward with the edits listed below, drift-tested); nothing else changes, and `fuse` gives the
+stock class back. Every layer holds its own relative attention bias (`[num_buckets, num_heads]`): column-sharded with
+the heads, so each rank computes its own heads' bias. The shared token embedding stays whole.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from transformers.models.umt5 import modeling_umt5 as M
+
+from surgery.extend import Family, Rewrite, SurgeryError, mesh_sizes_dividing, recast, register_edits, twin
+
+# UMT5's attention views q/k/v by the stored head count, where T5's uses -1: split by head_dim instead; the zero bias
+# of a layer without relative attention bias (decoder cross-attention) counts the heads the rank holds.
+register_edits(M.UMT5Attention, "forward", (
+    (".view(batch_size, -1, self.n_heads, self.key_value_proj_dim)", ".unflatten(-1, (-1, self.key_value_proj_dim))", 3),
+    ("(1, self.n_heads, seq_length, key_length)", "(1, query_states.shape[1], seq_length, key_length)", 1),
+))
+HeadDimUMT5Attention = twin(M.UMT5Attention, "HeadDimUMT5Attention", "forward")
+
+ATTENTION_TP_PLAN = {
+    "q": ColwiseParallel(),
+    "k": ColwiseParallel(),
+    "v": ColwiseParallel(),
+    "o": RowwiseParallel(),
+    "relative_attention_bias": ColwiseParallel(),  # Embedding [buckets, heads]: each rank's heads' columns
+}
+GATED_MLP_TP_PLAN = {"wi_0": ColwiseParallel(), "wi_1": ColwiseParallel(), "wo": RowwiseParallel()}
+MLP_TP_PLAN = {"wi": ColwiseParallel(), "wo": RowwiseParallel()}
+
+
+def _check_heads(module: nn.Module, path: str, world: int) -> None:
+    heads = module.n_heads
+    if heads % world:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' has num_heads={heads}, which a mesh of {world} cannot split into "
+            f"whole heads. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+        )
+
+
+# The same parameters in both forms (nothing to slice): only the attention's class changes.
+HEADS_BY_HEAD_DIM = Rewrite(
+    name="umt5_attention_heads_by_head_dim",
+    fused=M.UMT5Attention,
+    unfused=HeadDimUMT5Attention,
+    slices=lambda module: [],
+    build_unfused=lambda module: recast(module, HeadDimUMT5Attention),
+    build_fused=lambda module: recast(module, M.UMT5Attention),
+    in_checkpoints=False,
+)
+
+FAMILY = Family(
+    name="umt5",
+    model_class=M.UMT5EncoderModel,
+    rewrites=(HEADS_BY_HEAD_DIM,),
+    tp_plans={
+        HeadDimUMT5Attention: ATTENTION_TP_PLAN,
+        M.UMT5DenseGatedActDense: GATED_MLP_TP_PLAN,
+        M.UMT5DenseActDense: MLP_TP_PLAN,
+    },
+    tp_checks={HeadDimUMT5Attention: _check_heads},
+)
