@@ -53,6 +53,13 @@ FILES = {
                      "tests/pipelines/hunyuan_video/test_hunyuan_skyreels_image2video.py"],
         "lora": ["tests/lora/test_lora_layers_hunyuanvideo.py"],
     },
+    "wan": {
+        "model": ["tests/models/transformers/test_models_transformer_wan.py"],
+        "pipeline": ["tests/pipelines/wan/test_wan.py", "tests/pipelines/wan/test_wan_image_to_video.py"],
+        "lora": ["tests/lora/test_lora_layers_wan.py"],
+    },
+    "skyreels-v2": {"model": ["tests/models/transformers/test_models_transformer_skyreels_v2.py"]},
+    "wan-vace": {"model": ["tests/models/transformers/test_models_transformer_wan_vace.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
