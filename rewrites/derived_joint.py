@@ -15,7 +15,9 @@ from diffusers.models.attention_processor import (
 )
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXTransformer3DModel
+from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+from diffusers.models.transformers.transformer_cogview3plus import CogView3PlusTransformer2DModel
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from surgery.extend import derived_family
@@ -92,6 +94,38 @@ def pixart_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tok
     return inputs
 
 
+def dit_inputs(config: dict, batch: int = 1, image_tokens: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", **_) -> dict:
+    """Seeded keyword arguments for `DiTTransformer2DModel.forward`: a square latent of `image_tokens` patches, a
+    timestep and an ImageNet class label (DiT is class-conditional: no text)."""
+    generator = torch.Generator().manual_seed(seed)
+    side = int(image_tokens ** 0.5) * config.get("patch_size", 2)
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 4), side, side, generator=generator),
+        timestep=(torch.rand(batch, generator=generator) * 1000).long(),
+        class_labels=torch.randint(0, config.get("num_embeds_ada_norm", 1000), (batch,), generator=generator),
+    )
+    return _cast(inputs, dtype, device)
+
+
+def cogview3plus_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `CogView3PlusTransformer2DModel.forward`: a square latent of `image_tokens`
+    patches, text of `text_embed_dim`, a timestep, and the size conditions (integer pixels, as the pipeline
+    gives them)."""
+    generator = torch.Generator().manual_seed(seed)
+    side = int(image_tokens ** 0.5) * config.get("patch_size", 2)
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 16), side, side, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("text_embed_dim", 4096), generator=generator),
+        timestep=(torch.rand(batch, generator=generator) * 1000).long(),
+        original_size=torch.tensor([[side * 8, side * 8]] * batch),
+        target_size=torch.tensor([[side * 8, side * 8]] * batch),
+        crop_coords=torch.zeros(batch, 2, dtype=torch.long),
+    )
+    return _cast(inputs, dtype, device)
+
+
 # diffusers' generic `Attention` lists no processors (each model sets its own); one rewrite of it for every family here
 GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0)
 
@@ -158,5 +192,26 @@ FAMILIES = (
         test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
                                    num_layers=2, cross_attention_dim=32, caption_channels=16, sample_size=8,
                                    use_additional_conditions=False)},
+    ),
+    derived_family(
+        "dit", DiTTransformer2DModel, attention=(Attention,), processors=GENERIC,
+        variants={"xl-2-256": {"sample_size": 32, "out_channels": 8}, "xl-2-512": {"sample_size": 64, "out_channels": 8}},
+        sources="diffusers scripts/convert_dit_to_diffusers.py (DiT-XL-2-256 and DiT-XL-2-512: 28 layers, 16 heads of "
+        "72, out_channels 8, sample_size image_size // 8)",
+        default_variant="xl-2-256",
+        example_inputs=dit_inputs,
+        test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
+                                   num_layers=2, sample_size=8, num_embeds_ada_norm=10)},
+    ),
+    derived_family(
+        "cogview3-plus", CogView3PlusTransformer2DModel, attention=(Attention,), processors=GENERIC,
+        variants={"3b": {}},
+        sources="diffusers scripts/convert_cogview3_to_diffusers.py (CogView3-Plus-3B: the class defaults, "
+        "CogView3PlusTransformer2DModel())",
+        default_variant="3b",
+        example_inputs=cogview3plus_inputs,
+        test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                                   num_layers=2, text_embed_dim=16, time_embed_dim=16, condition_dim=4,
+                                   pos_embed_max_size=8, sample_size=8)},
     ),
 )
