@@ -153,8 +153,10 @@ FAMILIES = (
         "context_embedder, dual-attention layers, rms q/k norm)",
         default_variant="sd3.5-large",
         example_inputs=sd3_inputs,
-        test_configs={"tiny": _SD3_TINY,
-                      "tiny_3.5": {**_SD3_TINY, "qk_norm": "rms_norm", "dual_attention_layers": (0,)}},
+        # the first test config is the one run sharded: SD3.5's, whose blocks hold SD3's and add q/k norms and a
+        # second self-attention
+        test_configs={"tiny_3.5": {**_SD3_TINY, "qk_norm": "rms_norm", "dual_attention_layers": (0,)},
+                      "tiny": _SD3_TINY},
     ),
     derived_family(
         "cogvideox", CogVideoXTransformer3DModel, attention=(Attention,), processors=GENERIC,
@@ -171,7 +173,9 @@ FAMILIES = (
             "tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=16,
                          text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4, sample_frames=5,
                          max_text_seq_length=8),
-            # the 3D RoPE splits head_dim in quarters and eighths, each even: 16 at least
+            # CogVideoX-5b's RoPE: proven unfused == stock only, not run sharded: there torch refuses its backward
+            # (the processor writes the rotated q/k in place into the per-head norm's output, which DTensor's
+            # to_local returns as a view). The 3D RoPE splits head_dim in quarters and eighths, each even: 16 at least
             "tiny_rope": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                               time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4,
                               sample_frames=5, max_text_seq_length=8, use_rotary_positional_embeddings=True),
