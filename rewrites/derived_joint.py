@@ -173,9 +173,9 @@ FAMILIES = (
             "tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=16,
                          text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4, sample_frames=5,
                          max_text_seq_length=8),
-            # CogVideoX-5b's RoPE: proven unfused == stock only, not run sharded: there torch refuses its backward
-            # (the processor writes the rotated q/k in place into the per-head norm's output, which DTensor's
-            # to_local returns as a view). The 3D RoPE splits head_dim in quarters and eighths, each even: 16 at least
+            # CogVideoX-5b's RoPE: sharded under no_grad only (tests/test_derived_joint.py): under autograd torch
+            # refuses the processor's in-place write of the rotated q/k into the per-head norm's output (a view
+            # DTensor's to_local returns). The 3D RoPE splits head_dim in quarters and eighths, each even: 16 at least
             "tiny_rope": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                               time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4,
                               sample_frames=5, max_text_seq_length=8, use_rotary_positional_embeddings=True),
