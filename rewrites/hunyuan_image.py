@@ -9,8 +9,9 @@ and attention that splits heads by head size so that it runs column-sharded.
 
 diffusers' `HunyuanImageAttnProcessor` reshapes with the stored head count (`unflatten(2, (attn.heads, -1))`), which is
 wrong on a rank that holds `heads / N` of them; its twin is the stock source with `unflatten(2, (-1, attn.inner_dim // attn.heads))`.
-Only attention modules running HunyuanImage's processor are rewritten: the token refiner's `Attention` (diffusers'
-generic `AttnProcessor2_0`) stays replicated, its feed-forward is sharded by the shared `FeedForward` plan.
+The token refiner's `Attention` runs diffusers' generic `AttnProcessor2_0`, whose head-dim twin (the processor rule,
+installed by the generic `Attention` rewrite of rewrites/derived_joint.py) shards it like any derived attention; its
+feed-forward is sharded by the shared `FeedForward` plan.
 """
 
 from __future__ import annotations
@@ -149,9 +150,9 @@ FAMILY = Family(
     rewrites=REWRITES,
     tp_plans=TP_PLANS,
     # per double block: attention out + added out + ff + ff_context; per single block: one; per token-refiner block:
-    # its feed-forward (the refiner's attention stays replicated)
+    # its attention out and its feed-forward
     count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"]
-    + config.get("num_refiner_layers", 2),
+    + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
 )

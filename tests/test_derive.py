@@ -138,13 +138,13 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
 
         from surgery.app import cli
 
-        classes = [diffusers.WanTransformer3DModel, diffusers.SD3Transformer2DModel]
+        classes = [diffusers.WanTransformer3DModel, diffusers.AuraFlowTransformer2DModel]
         out = io.StringIO()
         with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
             self.assertEqual(cli.main(["families"]), 0)
         rows = out.getvalue().splitlines()
         wan = W.families()["wan"]
         self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
-        self.assertTrue(rows[3].startswith("| SD3Transformer2DModel |  | refused | 'transformer_blocks.0.attn.to_q'"),
-                        rows[3])
-        self.assertIn("JointAttnProcessor2_0", rows[3])
+        self.assertTrue(rows[3].startswith("| AuraFlowTransformer2DModel |  | refused | 'AuraFlowTransformer2DModel' "
+                                           "holds no module with a tensor-parallel plan"), rows[3])
+        self.assertIn("AuraFlowAttnProcessor2_0", rows[3])

@@ -48,10 +48,10 @@ class Drift(unittest.TestCase):
 
     def test_the_rule_reads_every_use_of_the_head_count(self):
         # a processor that reads attn.heads besides (attn.heads, -1): the rule does not apply, and no twin is built
-        from diffusers.models.attention_processor import AttnProcessor2_0
+        from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
         from diffusers.models.transformers.transformer_flux3 import Flux3AttnProcessor
 
-        self.assertIsNone(leaves.rule_edits(AttnProcessor2_0))
+        self.assertIsNone(leaves.rule_edits(IPAdapterAttnProcessor2_0))  # its image-prompt views read attn.heads
         self.assertEqual(leaves.rule_edits(Flux3AttnProcessor), ((leaves.HEADS_BY_COUNT, leaves.HEAD_DIM, 3),))
 
         class Odd(Flux3AttnProcessor):
@@ -61,6 +61,34 @@ class Drift(unittest.TestCase):
         self.assertIsNone(leaves.rule_edits(Odd))
         with self.assertRaisesRegex(SurgeryError, "Odd.__call__ reshapes by no"):
             leaves.edited_source(Odd)
+
+    def test_the_rule_reads_the_older_spelling_by_the_key_width(self):
+        # SD3's joint processor: head_dim from the local key width over the stored count, views by the count. Read
+        # as the head size from the global widths and views by the heads the local width holds; counted from
+        # diffusers' source here, independently of the rule
+        from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0, JointAttnProcessor2_0
+
+        source = inspect.getsource(JointAttnProcessor2_0.__call__)
+        views = source.count("batch_size, -1, attn.heads, head_dim")
+        self.assertEqual(views, 6)  # q, k, v and the three added projections
+        self.assertEqual(leaves.rule_edits(JointAttnProcessor2_0), (
+            (leaves.HEAD_DIM_BY_COUNT, leaves.HEAD_DIM_GLOBAL, 1), (leaves.VIEW_BY_COUNT, leaves.VIEW_BY_WIDTH, views),
+            (leaves.MERGE_BY_COUNT, leaves.MERGE_BY_WIDTH, 1)))
+        edited = leaves.edited_source(JointAttnProcessor2_0)
+        self.assertNotIn("attn.heads, head_dim", edited)
+        self.assertNotIn("attn.heads * head_dim", edited)
+        # a mask prepared per head (CogVideoX's processor) is kept once
+        self.assertEqual(leaves.rule_edits(CogVideoXAttnProcessor2_0)[-1],
+                         (leaves.MASK_BY_COUNT, leaves.MASK_ONCE, 1))
+
+        class Odd(JointAttnProcessor2_0):  # the older spelling, but the count read once more
+            def __call__(self, attn, hidden_states):
+                key = attn.to_k(hidden_states)
+                inner_dim = key.shape[-1]
+                head_dim = inner_dim // attn.heads
+                return key.view(1, -1, attn.heads, head_dim).sum(2) / attn.heads
+
+        self.assertIsNone(leaves.rule_edits(Odd))
 
     def test_a_changed_original_is_refused_by_name(self):
         key = next(iter(leaves.EDITS))

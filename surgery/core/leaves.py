@@ -140,22 +140,21 @@ HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
 MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
+# the older spelling: the head size from the local key width over the stored count (wrong on a share of the heads),
+# then views by the count. Read as the head size from the global widths, the views by the heads the local width holds.
+LOCAL_WIDTH = "inner_dim = key.shape[-1]"
+HEAD_DIM_BY_COUNT = "head_dim = inner_dim // attn.heads"
+HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
+VIEW_BY_COUNT = "attn.heads, head_dim"
+VIEW_BY_WIDTH = "inner_dim // head_dim, head_dim"
+MERGE_BY_COUNT = "reshape(batch_size, -1, attn.heads * head_dim)"
+MERGE_BY_WIDTH = "reshape(batch_size, -1, inner_dim)"
 
 # Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
 # must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
 # release that changes the original is noticed, not silently copied around. Families add theirs with
 # `register_edits` (a block forward that splits by global widths).
 EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
-    # diffusers' generic processor (HunyuanVideo's token refiner runs it): head_dim from the global sizes, heads
-    # counted from the local width, and the mask (prepare_attention_mask repeats one mask per sample over the heads:
-    # the same for each head) kept once, broadcast over however many heads the rank holds.
-    "diffusers.models.attention_processor.AttnProcessor2_0.__call__": (
-        ("head_dim = inner_dim // attn.heads", "head_dim = attn.inner_dim // attn.heads", 1),
-        ("view(batch_size, -1, attn.heads, head_dim)", "view(batch_size, -1, inner_dim // head_dim, head_dim)", 3),
-        ("reshape(batch_size, -1, attn.heads * head_dim)", "reshape(batch_size, -1, inner_dim)", 1),
-        ("attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])",
-         "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])[:, :1]", 1),
-    ),
 }
 
 
@@ -166,14 +165,27 @@ def register_edits(stock: type, method: str, edits: tuple[tuple[str, str, int], 
 
 def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
-    head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads)."""
+    head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
+
+    Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))`, and the older processors'
+    `head_dim = inner_dim // attn.heads` from the key's width, then `view(..., attn.heads, head_dim)` and
+    `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors)."""
     source = inspect.getsource(getattr(stock, method))
-    count, masks = source.count(HEADS_BY_COUNT), source.count(MASK_BY_COUNT)
-    if not count or "attn.heads" in source.replace(HEADS_BY_COUNT, "").replace(MASK_BY_COUNT, ""):
-        return None
+    masks = source.count(MASK_BY_COUNT)
     if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
         return None
-    return ((HEADS_BY_COUNT, HEAD_DIM, count),) + (((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ())
+    mask = ((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ()
+    if HEADS_BY_COUNT in source:
+        edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
+    elif source.count(LOCAL_WIDTH) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
+        edits = ((HEAD_DIM_BY_COUNT, HEAD_DIM_GLOBAL, 1), (VIEW_BY_COUNT, VIEW_BY_WIDTH, source.count(VIEW_BY_COUNT)))
+        edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH, source.count(MERGE_BY_COUNT)),) if MERGE_BY_COUNT in source else ()
+    else:
+        return None
+    rest = source
+    for old, _, _ in edits + mask:
+        rest = rest.replace(old, "")
+    return None if "attn.heads" in rest else edits + mask
 
 
 def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:

@@ -19,11 +19,14 @@ from surgery.parallel.plans import planned_for
 
 
 @functools.cache  # one rewrite per class, shared by the families that hold it
-def attention_rewrite(cls: type[nn.Module]) -> Rewrite | None:
+def attention_rewrite(cls: type[nn.Module], processors: tuple[type, ...] = ()) -> Rewrite | None:
     """The unfuse rewrite a diffusers attention class needs for its derived plan: its processors that reshape by the
     stored head count run their head-dim twins (the processor rule), and its `torch.nn.RMSNorm` q/k norms compute in
-    elementwise ops (`ElementwiseRMSNorm`: a norm across heads shards by its statistic). None where it needs none."""
-    processors = tuple(p for p in getattr(cls, "_available_processors", ()) if rule_edits(p) is not None)
+    elementwise ops (`ElementwiseRMSNorm`: a norm across heads shards by its statistic). None where it needs none.
+    `processors` adds processor classes to those the class lists (diffusers' generic `Attention` lists none: each
+    model sets its own, SD3's `JointAttnProcessor2_0`, CogVideoX's `CogVideoXAttnProcessor2_0`)."""
+    listed = tuple(getattr(cls, "_available_processors", ())) + tuple(processors)
+    processors = tuple(dict.fromkeys(p for p in listed if rule_edits(p) is not None))
     if not processors:
         return None
     rewrite = swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
@@ -51,11 +54,11 @@ def all_reduces(style) -> int:
 
 
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),
-                   **fields) -> Family:
+                   processors: tuple[type, ...] = (), **fields) -> Family:
     """A `Family` whose rewrites and plans are derived: `attention` lists the model's attention classes (their
-    rewrites from `attention_rewrite`); `fields` are the data (variants, sources, test configs, example inputs,
+    rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none); `fields` are the data (variants, sources, test configs, example inputs,
     replicated Linears). Its all-reduce count is read off the derived plan."""
-    rewrites = tuple(r for r in (attention_rewrite(cls) for cls in attention) if r is not None)
+    rewrites = tuple(r for r in (attention_rewrite(cls, processors) for cls in attention) if r is not None)
     holder: list[Family] = []
     family = Family(name=name, model_class=model_class, rewrites=rewrites,
                     count_all_reduces=lambda config: derived_all_reduces(holder[0], config), **fields)
