@@ -18,6 +18,7 @@ returns `Refused(reason)`, and `tensor_parallel` names it when a block Linear is
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -70,6 +71,33 @@ class AcrossHeadsNorm(ParallelStyle):
         return distribute_module(module, mesh, partition, inputs, outputs)
 
 
+class OwnedColwise(ColwiseParallel):
+    """`ColwiseParallel` whose local output is a tensor of its own rather than the DTensor's local view: a processor
+    that writes into q/k in place (`query[:, :, n:] = rotary(...)`) may not modify a view autograd made for the
+    DTensor-to-local step. One copy of the projection's output per call; no collective."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return local.clone() if use_local_output else local
+
+
+# `query[...] = ...`: a processor writing into a slice of q/k/v after the projection
+WRITES_INTO_PROJECTION = re.compile(r"\b(query|key|value)\[[^\]\n]*\]\s*=[^=]")
+
+
+def processor_writes_in_place(processor) -> bool:
+    """Whether a processor (or the stock class a head-dim twin derives from) writes into a slice of q/k/v."""
+    for cls in type(processor).__mro__:
+        if "__call__" in vars(cls):
+            try:
+                if WRITES_INTO_PROJECTION.search(inspect.getsource(cls.__call__)):
+                    return True
+            except (OSError, TypeError):
+                continue
+    return False
+
+
 @dataclass(frozen=True)
 class Refused:
     """Why a module's plan cannot be derived: one line naming what was found."""
@@ -116,7 +144,10 @@ def attention_plan(module: nn.Module) -> dict | Refused:
         return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
                        "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
                        "surgery.unfuse has not run)")
-    return projection_plan(module)
+    plan = projection_plan(module)
+    if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
+        plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
+    return plan
 
 
 def projection_plan(module: nn.Module) -> dict | Refused:
