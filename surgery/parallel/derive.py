@@ -229,30 +229,37 @@ def single_stream_plan(block: nn.Module) -> dict | Refused:
     return {**under(a, attention), m: ColwiseParallel(), **under(o, SPLIT_PROJECTION_TP_PLAN)}
 
 
-def feed_forward_parts(module: nn.Module) -> tuple[str, str, bool] | None:
-    """`(in, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
+def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] | None:
+    """`(ins, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
     plan): a class named `...FeedForward` whose Linears are two, `in` then `out`, with `out` reading `in`'s width
-    (plain) or half of it (gated: rows gate and up fused in `in`). None for any other module."""
+    (plain) or half of it (gated: rows gate and up fused in `in`); or three, gate and up as two Linears of the same
+    shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`). None for any other module."""
     if "FeedForward" not in type(module).__name__:
         return None
     linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
+    if len(linears) == 3:
+        for i, (last, b) in enumerate(linears):
+            ins = [(p, a) for j, (p, a) in enumerate(linears) if j != i]
+            if all(a.out_features == b.in_features and a.in_features == b.out_features for _, a in ins):
+                return tuple(p for p, _ in ins), last, False
+        return None
     if len(linears) != 2:
         return None
     (first, a), (last, b) = linears
     if b.in_features == a.out_features:
-        return first, last, False
+        return (first,), last, False
     if 2 * b.in_features == a.out_features:
-        return first, last, True
+        return (first,), last, True
     return None
 
 
 def feed_forward_plan(module: nn.Module) -> dict | Refused:
-    first, last, gated = feed_forward_parts(module)
+    ins, last, gated = feed_forward_parts(module)
     if gated:
-        return Refused(f"its `{first}` holds gate and up rows fused ({module.get_submodule(first).out_features} = 2 x "
-                       f"{module.get_submodule(last).in_features}); column sharding needs them split (a `rows` leaf, "
-                       "SplitRows, in the family's rewrite)")
-    return {first: ColwiseParallel(), last: RowwiseParallel()}
+        return Refused(f"its `{ins[0]}` holds gate and up rows fused ({module.get_submodule(ins[0]).out_features} = "
+                       f"2 x {module.get_submodule(last).in_features}); column sharding needs them split (a `rows` "
+                       "leaf, SplitRows, in the family's rewrite)")
+    return {**{first: ColwiseParallel() for first in ins}, last: RowwiseParallel()}
 
 
 def derived(module: nn.Module) -> dict | Refused | None:

@@ -245,6 +245,8 @@ DERIVED_REPLICATED = {
 # The same modules written inside a model's own file (CogView4AdaLayerNormZero, MochiRMSNormZero,
 # Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
 ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "NormZero", "Modulation")
+# ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
+ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -276,7 +278,8 @@ def replicated_reason(block: nn.Module, key: str) -> str | None:
                 return reason
         if i and type(owner).__module__ in DERIVED_REPLICATED:
             return DERIVED_REPLICATED[type(owner).__module__]
-        if i and any(name in type(owner).__name__ for name in ADAPTIVE_NORM_NAMES):
+        if i and (any(name in type(owner).__name__ for name in ADAPTIVE_NORM_NAMES)
+                  or any(name in names[i - 1].lower() for name in ADAPTIVE_NORM_ATTRIBUTES)):
             return ADAPTIVE_NORM
     return None
 
