@@ -28,17 +28,13 @@ from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
-# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; CogView4: rewrites/derived_image.py.)
+# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; CogView4, HunyuanVideo-1.5: rewrites/derived_image.py.)
 HALF_PLANNED = {
     "SD3Transformer2DModel": dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
                                   num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
                                   pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8),
     "MochiTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, num_layers=2,
                                     pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4),
-    "HunyuanVideo15Transformer3DModel": dict(in_channels=4, out_channels=4, num_attention_heads=2,
-                                             attention_head_dim=8, num_layers=2, num_refiner_layers=1,
-                                             text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=8,
-                                             rope_axes_dim=(2, 2, 4)),
     "CogVideoXTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                         time_embed_dim=8, text_embed_dim=16, num_layers=2, sample_width=8,
                                         sample_height=8, sample_frames=1, max_text_seq_length=8),

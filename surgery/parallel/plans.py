@@ -242,9 +242,9 @@ DERIVED_REPLICATED = {
     "diffusers.models.normalization": ADAPTIVE_NORM,
     "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
 }
-# The same modules written inside a model's own file (CogView4AdaLayerNormZero, MochiRMSNormZero,
+# The same modules written inside a model's own file (CogView4AdaLayerNormZero, HunyuanVideo15AdaNorm, MochiRMSNormZero,
 # Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
-ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "NormZero", "Modulation")
+ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation")
 # ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
 ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
