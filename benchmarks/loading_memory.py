@@ -32,7 +32,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="surgery-load-bench-") as tmp:
         folder, warmup = Path(tmp) / "klein4b-demo", Path(tmp) / "warmup"
-        seeded_model(demo_config("klein-4b"), 0).save_pretrained(folder)
+        seeded_model(demo_config("flux2-klein-4b"), 0).save_pretrained(folder)
         build(small_config("tp_wide"), 3).save_pretrained(warmup)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         results = run_on_cpu_ranks(load_worker.peak_memory, args.world, str(folder), str(warmup))

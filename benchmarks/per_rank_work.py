@@ -16,7 +16,9 @@ in turn: `fused` and `unfused` whole on every rank, `surgery TP` (`surgery.unfus
 
 Latest CPU run (2 cores shared with other jobs, torch 2.13.0+cpu, world 2 gloo, klein-4B width, 1 double + 1 single
 block, 32 image + 8 text tokens, fp32, 1 warm-up, median of 3): the counts hold on any machine, the times here are
-mostly the machine's load (the same model's ratio moved 0.78 -> 1.25 between eager and compiled).
+mostly the machine's load (the same model's ratio moved 0.78 -> 1.25 between eager and compiled). Measured while
+`SplitProjection` also ran one GEMM; it now runs two (24 GEMMs for unfused and surgery TP here, see
+docs/per_rank_work.md).
 
 | form | GEMMs | cats | all-reduces | eager ms | compiled ms |
 |---|---|---|---|---|---|

@@ -58,7 +58,7 @@ def peak_memory(rank: int, world: int, root: str) -> dict:
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: freed buffers go back to the system
     mesh = init_device_mesh("cpu", (world,))
-    fused = seeded_model(demo_config("klein-4b"), 0, torch.bfloat16)
+    fused = seeded_model(demo_config("flux2-klein-4b"), 0, torch.bfloat16)
     largest = max(p.nbytes for p in fused.parameters())
     model = surgery.tensor_parallel(surgery.unfuse(fused), mesh, src_data_rank=None)
     del fused

@@ -144,8 +144,10 @@ class SaveMemory(unittest.TestCase):
             mb = {k: f"{v / 2**20:.1f} MB" for k, v in r.items()}
             print(f"\nrank {rank}: peak {mb['peak']} above the start while saving (VmHWM); holds {mb['local_bytes']}; "
                   f"largest tensor {mb['largest_tensor']}; checkpoint {mb['checkpoint']}")
-            # rank 0 also runs torch's consolidation, which holds about two of the largest tensor
-            self.assertLess(r["peak"], 2 * r["largest_tensor"] + 8 * 2**20)
+            # rank 0 also runs torch's consolidation, which holds about two of the largest tensor; and torch's writer
+            # copies a shard that is a view into a leaf's packed buffer (one GEMM per fused weight) before writing it,
+            # one at a time: a third
+            self.assertLess(r["peak"], 3 * r["largest_tensor"] + 8 * 2**20)
             self.assertLess(r["peak"], r["local_bytes"] / 2)
 
 

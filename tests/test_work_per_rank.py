@@ -1,4 +1,5 @@
-"""Per forward, the unfused model does the fused model's work and, per rank, diffusers' packed TP's: GEMMs and cats
+"""Per forward, the unfused model does the fused model's work and, per rank, diffusers' packed TP's (but one GEMM per
+SplitProjection): GEMMs and cats
 counted with a TorchDispatchMode (`surgery.testing.CollectiveCounter`), whole and on 2 gloo ranks. Where a part does
 more than a plain matmul (LoRA, a hook, moved weights, gradients) the parts' own forwards run, and the values say so."""
 
@@ -20,15 +21,17 @@ from conformance_worker import FP32_TOL
 WORK = ("gemm", "cat")
 
 
-def work(counts: dict) -> dict:
-    return {k: counts[k] for k in WORK}
+def work(counts: dict, split_projections: int = 0) -> dict:
+    """GEMMs and cats; with `split_projections`, what the unfused model runs for the fused model's `counts`: one GEMM
+    more per `SplitProjection` (its column parts are separate contiguous copies, see surgery.core.split_projection)."""
+    return {"gemm": counts["gemm"] + split_projections, "cat": counts["cat"]}
 
 
 class Whole(unittest.TestCase):
     @parameterized.expand([(name,) for name in W.CASES])
     def test_unfused_does_the_fused_work(self, family):
         result = W.whole(family)
-        self.assertEqual(work(result["unfused"]), work(result["fused"]))
+        self.assertEqual(work(result["unfused"]), work(result["fused"], result["split_projections"]))
         self.assertLessEqual(result["unfused_error"], FP32_TOL)
 
     def fused_and_unfused(self):
@@ -63,7 +66,7 @@ class Whole(unittest.TestCase):
         handle.remove()  # back to one GEMM per fused weight
         with torch.no_grad():
             fused.get_parameter(s.fused).narrow(s.dim, s.start, s.size).div_(2)
-        self.assertEqual(work(W.counted(unfused, kw)[0]), work(W.counted(fused, kw)[0]))
+        self.assertEqual(work(W.counted(unfused, kw)[0]), work(W.counted(fused, kw)[0], W.split_projections(unfused)))
 
     def test_moved_weights(self):
         fused, unfused, kw = self.fused_and_unfused()
@@ -72,7 +75,7 @@ class Whole(unittest.TestCase):
         expected = W.counted(fused.double(), kw64)
         got = W.counted(unfused, kw64)
         self.assertLessEqual(rel_err(got[1], expected[1]), FP32_TOL)
-        self.assertEqual(work(got[0]), work(expected[0]))
+        self.assertEqual(work(got[0]), work(expected[0], W.split_projections(unfused)))
         # a part's values replaced behind the leaf's back: it runs its parts' own forwards, with the new values
         part = unfused.single_transformer_blocks[0].attn.to_qkv_mlp_proj.gate
         part.weight.data = part.weight.data * 2
@@ -109,10 +112,12 @@ class PerRank(unittest.TestCase):
         for rank, result in enumerate(self.ranks):
             r = result[family]
             self.assertLessEqual(r["surgery_tp_error"], FP32_TOL, f"rank {rank}")
-            # per rank as many GEMMs and cats as the fused model whole, which is what diffusers' packed TP runs
-            self.assertEqual(work(r["surgery_tp"]), work(self.whole[family]["fused"]), f"rank {rank}")
+            # per rank as many GEMMs and cats as the fused model whole, which is what diffusers' packed TP runs (one
+            # GEMM more per SplitProjection)
+            n = self.whole[family]["split_projections"]
+            self.assertEqual(work(r["surgery_tp"]), work(self.whole[family]["fused"], n), f"rank {rank}")
             if "packed_tp" in r:  # FLUX.3 has no diffusers `_tp_plan`
-                self.assertEqual(work(r["surgery_tp"]), work(r["packed_tp"]), f"rank {rank}")
+                self.assertEqual(work(r["surgery_tp"]), work(r["packed_tp"], n), f"rank {rank}")
                 self.assertEqual(r["surgery_tp"]["collective"], r["packed_tp"]["collective"], f"rank {rank}")
 
     def test_fewest_all_reduces(self):

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import surgery
 from surgery.core.registry import families, model_class
+from surgery.core.split_projection import SplitProjection
 from surgery.testing import CollectiveCounter, diffusers_packed_tp, rel_err, seeded_model
 
 # The configs counted: FLUX.2 with 2 double + 3 single blocks (the issue's), FLUX.1 and FLUX.3 at their TP configs.
@@ -43,8 +44,10 @@ def whole(family_name: str, seed: int = 0) -> dict:
     kw = inputs(family, config, seed)
     result = {}
     result["fused"], expected = counted(fused, kw)
-    result["unfused"], out = counted(surgery.unfuse(copy.deepcopy(fused)), kw)
+    unfused = surgery.unfuse(copy.deepcopy(fused))
+    result["unfused"], out = counted(unfused, kw)
     result["unfused_error"] = rel_err(out, expected)
+    result["split_projections"] = split_projections(unfused)
     return result
 
 
@@ -64,6 +67,12 @@ def per_rank(rank: int, world: int, family_name: str, seed: int = 0) -> dict:
         result["packed_tp"], out = counted(packed, kw)
         result["packed_tp_error"] = rel_err(out, expected)
     return result
+
+
+def split_projections(model) -> int:
+    """How many `SplitProjection` leaves `model` holds: each runs its two column parts (2 GEMMs where the fused
+    Linear runs 1; see surgery.core.split_projection)."""
+    return sum(isinstance(m, SplitProjection) for m in model.modules())
 
 
 def all_per_rank(rank: int, world: int, seed: int = 0) -> dict:

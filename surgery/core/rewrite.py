@@ -62,9 +62,8 @@ Optimizers = Union[torch.optim.Optimizer, Iterable[torch.optim.Optimizer], None]
 def unfuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     """Swap every fused module in `model` for its equivalent unfused module, in place.
 
-    The unfused parameters are views of the fused weights' storage, row slices (q, k, v, gate, up) and column splits
-    (`to_out`'s attention and MLP columns) alike: nothing is copied, and each split leaf multiplies by that storage
-    once (`surgery.core.split_projection`). Gradients are sliced like the weights. `optimizer` (one or several): their parameter groups and per-parameter state
+    Row slices (q, k, v, gate, up) are views of the fused weights' storage, which each `SplitRows` multiplies by
+    once (`surgery.core.split_projection`); column splits are copies. Gradients are sliced like the weights. `optimizer` (one or several): their parameter groups and per-parameter state
     (Adam's `exp_avg`, `exp_avg_sq` sliced like the weight, `step` copied) move to the unfused parameters, so the
     next step is the step the fused model would have taken. An optimizer that holds a fused parameter but is not
     passed, tensor hooks, ties and DDP/FSDP wrappers are refused. Idempotent; a model with nothing to rewrite is
@@ -494,8 +493,9 @@ def _convert(
 def _unfuse_weights(module: nn.Module, target: nn.Module, fused_name: str, group: list[Slice]):
     """One fused parameter (and its grad) sliced into `target`'s parts: `(olds, news, quantities, bytes copied)`."""
     source = _param(module, fused_name)
-    # views, columns too: the parts stay back to back in the fused storage, which a leaf multiplies by at once
-    pieces = [(source.detach().narrow(s.dim, s.start, s.size), 0) for s in group]
+    # rows are views of the fused storage (a leaf multiplies by it at once); columns are contiguous copies, since a
+    # column view is a non-contiguous parameter, which FSDP2 refuses ("does not support non-contiguous parameters")
+    pieces = [take(source, s) for s in group]
     news = [_set_param(target, s.unfused, piece, source.requires_grad) for s, (piece, _) in zip(group, pieces)]
     quantities = [([source], news, any(n for _, n in pieces))]
     if source.grad is not None:

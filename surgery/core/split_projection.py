@@ -16,15 +16,16 @@ The children's names are chosen not to collide with the name patterns diffusers'
 every module whose path fully matches `^single_transformer_blocks.*attn` (so no child may end in `attn`), and stock
 LoRA `target_modules` such as `to_q`, `to_k`, `to_v` are matched as suffixes (so no child may be called that).
 
-One GEMM per fused weight. Both leaves compute the fused Linear's function, and where their parts' values lie back to
-back in one buffer (rows: the fused storage the row views share; columns: the parts as column views of one `[out,
-in]` storage; per rank, each rank's local shards laid out so by `surgery.parallel.tensor_parallel`), a leaf holds a
-`Packed` over that buffer and multiplies by it once: the fused model's GEMM (diffusers' packed GEMM per rank), no
-`cat` of the parts' outputs and no split of the input. The parts stay separate Linears (plans, LoRA, saving, the
-optimizer see them), and the leaf runs their own forwards instead wherever a part does more than a plain matmul: a
-wrapper or another class (PEFT's LoRA layers), a hook other than those its style set when packed (diffusers' hooks:
-layerwise casting, offloading), a replaced or moved parameter, or a gradient to compute. `Packed.holds` looks at the
-parts on every call; it costs a few attribute reads.
+One GEMM per fused weight. Where a leaf's parts' values lie back to back in one buffer (a `SplitRows`: the fused
+storage its row views share; per rank, each rank's local shards laid out so by `surgery.parallel.tensor_parallel`),
+the leaf holds a `Packed` over that buffer and multiplies by it once: the fused model's GEMM (diffusers' packed GEMM
+per rank), no `cat` of the parts' outputs. The parts stay separate Linears (plans, LoRA, saving, the optimizer see
+them), and the leaf runs their own forwards instead wherever a part does more than a plain matmul: a wrapper or
+another class (PEFT's LoRA layers), a hook other than those its style set when packed (diffusers' hooks: layerwise
+casting, offloading), a replaced parameter, or a gradient to compute. `Packed.holds` looks at the parts on every
+call; it costs a few attribute reads. A `SplitProjection` can run one GEMM the same way when its column parts are
+views of one `[out, in]` storage, but `unfuse` copies them (contiguous parameters: FSDP2 refuses others), so it runs
+its two parts and adds.
 """
 
 from __future__ import annotations
@@ -83,17 +84,6 @@ class SplitProjection(nn.Module):
 
     def _apply(self, fn, recurse=True):
         return repacked(self, super()._apply, fn, recurse)
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False, **kwargs):
-        # the parts' weights are column views of one storage (not contiguous); a state dict is read by savers that
-        # want contiguous tensors (safetensors), so it holds contiguous copies of those two
-        out = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars, **kwargs)
-        if not keep_vars:
-            for part in (ATTN_PART, MLP_PART):
-                key = f"{prefix}{part}.weight"
-                if key in out and not out[key].is_contiguous():
-                    out[key] = out[key].contiguous()
-        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get(PACKED)

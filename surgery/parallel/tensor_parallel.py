@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from surgery.core.errors import SurgeryError
-from surgery.core.split_projection import SplitProjection, SplitRows, pack
+from surgery.core.split_projection import SplitRows, pack
 from surgery.parallel import quantized as quant
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.parallel.plans import FilterFn, Planned, block_plans, checked_plan, linear_placements, plan_digest
@@ -364,7 +364,7 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
 
 
 def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
-    """Lay each sharded leaf's local shards out back to back in one buffer (the parts' local tensors become views of
+    """Lay each sharded `SplitRows`' local shards out back to back in one buffer (the parts' local tensors become views of
     it) and give the leaf a `Packed` that runs its parts' style once over it: per rank, the GEMM of diffusers' packed
     styles. Only leaves whose parts all got the same stock linear style, one that takes its input as it comes
     (`input_layouts == desired_input_layouts`), are packed; the rest run their parts' own forwards. The number
@@ -386,7 +386,9 @@ def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
 
     packed = 0
     for path, leaf in model.named_modules():
-        if not isinstance(leaf, (SplitRows, SplitProjection)):
+        # row parts only: a `SplitProjection`'s column parts laid out in one buffer would be non-contiguous local
+        # tensors, which FSDP2 (TP x FSDP training) refuses
+        if not isinstance(leaf, SplitRows):
             continue
         names = [name for name, _ in leaf.named_children()]
         found = [style_of(".".join(p for p in (path, name) if p)) for name in names]
