@@ -43,7 +43,8 @@ def inputs(family: Family, config: dict, seed: int, dtype: torch.dtype = torch.f
 
 
 def output(model: nn.Module, kw: dict) -> torch.Tensor:
-    return model(**kw, return_dict=False)[0]
+    out = model(**kw, return_dict=False)[0]
+    return torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one tensor per sample
 
 
 def floating_inputs(kw: dict) -> list[str]:

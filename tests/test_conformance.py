@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import shutil
 import tempfile
 import unittest
@@ -200,10 +201,11 @@ class FullSize(unittest.TestCase):
 
         family = surgery.extend.families()[family_name]
         config = family.config()
-        heads = config.get("num_attention_heads", 8)
+        model = surgery.unfuse(model_on_meta(family, config, torch.bfloat16))
+        # the heads every attention splits, read off the model (Z-Image's 30 split over 2 at most)
+        heads = math.gcd(*(m.heads for m in model.modules() if isinstance(getattr(m, "heads", None), int)), 0) or 8
         tp = next(n for n in (8, 4, 2) if heads % n == 0)  # HunyuanImage's 28 heads split over 4 at most
         with fake_process_group(tp):
-            model = surgery.unfuse(model_on_meta(family, config, torch.bfloat16))
             whole = {n: p.nbytes for n, p in model.named_parameters()}
             surgery.tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
             sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}

@@ -29,17 +29,11 @@ from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
-# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py.)
+# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py;
+# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py.)
 HALF_PLANNED = {
     "MochiTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, num_layers=2,
                                     pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4),
-    "CogView4Transformer2DModel": dict(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
-                                       num_attention_heads=2, text_embed_dim=16, time_embed_dim=8, condition_dim=4,
-                                       rope_axes_dim=(4, 4)),
-    "HunyuanVideo15Transformer3DModel": dict(in_channels=4, out_channels=4, num_attention_heads=2,
-                                             attention_head_dim=8, num_layers=2, num_refiner_layers=1,
-                                             text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=8,
-                                             rope_axes_dim=(2, 2, 4)),
     "AllegroTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                       num_layers=2, cross_attention_dim=16, caption_channels=16, sample_height=8,
                                       sample_width=8, sample_frames=2),
@@ -129,9 +123,19 @@ class RegisteredFamiliesAreCovered(unittest.TestCase):
     def test_adaptive_norm_modulation_is_whole_by_derivation_and_refused_without_it(self):
         _, _, model = W.make("flux1", "tp_dev")
         model = surgery.unfuse(model)
-        with mock.patch.dict(plans.DERIVED_REPLICATED, clear=True):
+        with mock.patch.dict(plans.DERIVED_REPLICATED, clear=True), mock.patch.object(plans, "ADAPTIVE_NORM_NAMES", ()):
             with self.assertRaisesRegex(surgery.SurgeryError, r"'transformer_blocks\.0\.norm1\.linear' \(Linear in "
                                                               r"a AdaLayerNormZero\)"):
+                checked_plan(model, None, None, 2)
+        checked_plan(model, None, None, 2)
+
+    def test_a_models_own_adaptive_norm_is_whole_by_its_name_and_refused_without_the_rule(self):
+        # CogView4AdaLayerNormZero lives in the model's own file, not diffusers.models.normalization
+        _, _, model = W.make("cogview4", "tiny")
+        model = surgery.unfuse(model)
+        with mock.patch.object(plans, "ADAPTIVE_NORM_NAMES", ()):
+            with self.assertRaisesRegex(surgery.SurgeryError, r"'transformer_blocks\.0\.norm1\.linear' \(Linear in "
+                                                              r"a CogView4AdaLayerNormZero\)"):
                 checked_plan(model, None, None, 2)
         checked_plan(model, None, None, 2)
 

@@ -122,7 +122,10 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
             with torch.device("meta"):  # the class as is: a test config may lie outside the published range
                 model = surgery.extend.unfuse(model_class(family)(**config))
             read = sum(all_reduces(style) for _, _, plan in planned_for(model) for style in plan.values())
-            self.assertEqual(read, family.count_all_reduces(config))
+            # at least one per planned style; more where a forward runs a module twice (CogView4's blocks run one
+            # feed-forward on both streams): the exact number is what the conformance world-2 job measures
+            self.assertGreaterEqual(family.count_all_reduces(config), read)
+            self.assertLessEqual(family.count_all_reduces(config), 2 * read)
 
     def test_the_families_page_rows_of_registered_families_are_current(self):
         page = coverage.DOC.read_text()
@@ -145,6 +148,6 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
         rows = out.getvalue().splitlines()
         wan = W.families()["wan"]
         self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
-        self.assertTrue(rows[3].startswith("| AuraFlowTransformer2DModel |  | refused | 'AuraFlowTransformer2DModel' "
-                                           "holds no module with a tensor-parallel plan"), rows[3])
+        self.assertTrue(rows[3].startswith("| AuraFlowTransformer2DModel |  | refused | 'joint_transformer_blocks.0.attn"
+                                           ".to_q' (Linear in a Attention) has no tensor-parallel plan"), rows[3])
         self.assertIn("AuraFlowAttnProcessor2_0", rows[3])

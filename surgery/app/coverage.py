@@ -48,6 +48,8 @@ def class_status(cls: type, world: int = 2) -> dict:
     except SurgeryError as error:
         return {**row, "status": "refused", "reason": str(error).removeprefix("surgery.tensor_parallel: ")}
     count = sum(all_reduces(style) for _, _, plan in planned for style in plan.values())
+    if family is not None and family.count_all_reduces is not None:  # counts a module run twice per forward twice
+        count = family.count_all_reduces(family.config())
     return {**row, "status": "sharded" if family else "planned, unproven", "all_reduces": count}
 
 

@@ -18,6 +18,7 @@ returns `Refused(reason)`, and `tensor_parallel` names it when a block Linear is
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -70,6 +71,33 @@ class AcrossHeadsNorm(ParallelStyle):
         return distribute_module(module, mesh, partition, inputs, outputs)
 
 
+class OwnedColwise(ColwiseParallel):
+    """`ColwiseParallel` whose local output is a tensor of its own rather than the DTensor's local view: a processor
+    that writes into q/k in place (`query[:, :, n:] = rotary(...)`) may not modify a view autograd made for the
+    DTensor-to-local step. One copy of the projection's output per call; no collective."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return local.clone() if use_local_output else local
+
+
+# `query[...] = ...`: a processor writing into a slice of q/k/v after the projection
+WRITES_INTO_PROJECTION = re.compile(r"\b(query|key|value)\[[^\]\n]*\]\s*=[^=]")
+
+
+def processor_writes_in_place(processor) -> bool:
+    """Whether a processor (or the stock class a head-dim twin derives from) writes into a slice of q/k/v."""
+    for cls in type(processor).__mro__:
+        if "__call__" in vars(cls):
+            try:
+                if WRITES_INTO_PROJECTION.search(inspect.getsource(cls.__call__)):
+                    return True
+            except (OSError, TypeError):
+                continue
+    return False
+
+
 @dataclass(frozen=True)
 class Refused:
     """Why a module's plan cannot be derived: one line naming what was found."""
@@ -116,7 +144,10 @@ def attention_plan(module: nn.Module) -> dict | Refused:
         return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
                        "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
                        "surgery.unfuse has not run)")
-    return projection_plan(module)
+    plan = projection_plan(module)
+    if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
+        plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
+    return plan
 
 
 def projection_plan(module: nn.Module) -> dict | Refused:
@@ -198,30 +229,37 @@ def single_stream_plan(block: nn.Module) -> dict | Refused:
     return {**under(a, attention), m: ColwiseParallel(), **under(o, SPLIT_PROJECTION_TP_PLAN)}
 
 
-def feed_forward_parts(module: nn.Module) -> tuple[str, str, bool] | None:
-    """`(in, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
+def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] | None:
+    """`(ins, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
     plan): a class named `...FeedForward` whose Linears are two, `in` then `out`, with `out` reading `in`'s width
-    (plain) or half of it (gated: rows gate and up fused in `in`). None for any other module."""
+    (plain) or half of it (gated: rows gate and up fused in `in`); or three, gate and up as two Linears of the same
+    shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`). None for any other module."""
     if "FeedForward" not in type(module).__name__:
         return None
     linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
+    if len(linears) == 3:
+        for i, (last, b) in enumerate(linears):
+            ins = [(p, a) for j, (p, a) in enumerate(linears) if j != i]
+            if all(a.out_features == b.in_features and a.in_features == b.out_features for _, a in ins):
+                return tuple(p for p, _ in ins), last, False
+        return None
     if len(linears) != 2:
         return None
     (first, a), (last, b) = linears
     if b.in_features == a.out_features:
-        return first, last, False
+        return (first,), last, False
     if 2 * b.in_features == a.out_features:
-        return first, last, True
+        return (first,), last, True
     return None
 
 
 def feed_forward_plan(module: nn.Module) -> dict | Refused:
-    first, last, gated = feed_forward_parts(module)
+    ins, last, gated = feed_forward_parts(module)
     if gated:
-        return Refused(f"its `{first}` holds gate and up rows fused ({module.get_submodule(first).out_features} = 2 x "
-                       f"{module.get_submodule(last).in_features}); column sharding needs them split (a `rows` leaf, "
-                       "SplitRows, in the family's rewrite)")
-    return {first: ColwiseParallel(), last: RowwiseParallel()}
+        return Refused(f"its `{ins[0]}` holds gate and up rows fused ({module.get_submodule(ins[0]).out_features} = "
+                       f"2 x {module.get_submodule(last).in_features}); column sharding needs them split (a `rows` "
+                       "leaf, SplitRows, in the family's rewrite)")
+    return {**{first: ColwiseParallel() for first in ins}, last: RowwiseParallel()}
 
 
 def derived(module: nn.Module) -> dict | Refused | None:

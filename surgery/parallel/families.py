@@ -4,8 +4,10 @@ example inputs; its rewrites, plans and all-reduce count are derived (`surgery.p
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import replace
 
+import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
@@ -18,18 +20,26 @@ from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
 from surgery.parallel.plans import planned_for
 
 
+def model_processors(model_class: type[nn.Module]) -> tuple[type, ...]:
+    """The attention processor classes defined in a model's own file (diffusers writes a model's processors next to
+    it when its attention is the shared `Attention`, which lists no `_available_processors` of its own)."""
+    home = sys.modules[model_class.__module__]
+    return tuple(obj for name, obj in vars(home).items() if isinstance(obj, type) and "Processor" in name
+                 and obj.__module__ == home.__name__ and "__call__" in vars(obj))
+
+
 @functools.cache  # one rewrite per class, shared by the families that hold it
-def attention_rewrite(cls: type[nn.Module], processors: tuple[type, ...] = ()) -> Rewrite | None:
-    """The unfuse rewrite a diffusers attention class needs for its derived plan: its processors that reshape by the
-    stored head count run their head-dim twins (the processor rule), and its `torch.nn.RMSNorm` q/k norms compute in
-    elementwise ops (`ElementwiseRMSNorm`: a norm across heads shards by its statistic). None where it needs none.
-    `processors` adds processor classes to those the class lists (diffusers' generic `Attention` lists none: each
-    model sets its own, SD3's `JointAttnProcessor2_0`, CogVideoX's `CogVideoXAttnProcessor2_0`)."""
-    listed = tuple(getattr(cls, "_available_processors", ())) + tuple(processors)
-    processors = tuple(dict.fromkeys(p for p in listed if rule_edits(p) is not None))
+def attention_rewrite(cls: type[nn.Module], extra: tuple[type, ...] = ()) -> Rewrite | None:
+    """The unfuse rewrite a diffusers attention class needs for its derived plan: its processors (its
+    `_available_processors`, and `extra`) that reshape by the stored head count run their head-dim twins (the
+    processor rule), and its `torch.nn.RMSNorm` q/k norms compute in elementwise ops (`ElementwiseRMSNorm`: a norm
+    across heads shards by its statistic). None where it needs none."""
+    candidates = tuple(dict.fromkeys((*getattr(cls, "_available_processors", ()), *extra)))
+    processors = tuple(p for p in candidates if rule_edits(p) is not None)
     if not processors:
         return None
-    rewrite = swap_rewrite(f"{cls.__name__}: heads by head_dim", cls, processors=Processors(processors),
+    where = f" ({extra[0].__module__.rpartition('.')[2]})" if extra else ""
+    rewrite = swap_rewrite(f"{cls.__name__}{where}: heads by head_dim", cls, processors=Processors(processors),
                            children=dict.fromkeys(QK_NORMS, elementwise_norm))
     # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
     return replace(rewrite, in_checkpoints=False)
@@ -39,7 +49,34 @@ def derived_all_reduces(family: Family, config: dict) -> int:
     """All-reduces one forward makes under the derived plan: one per rowwise Linear and per norm across heads (each
     runs once per forward in these DiTs), read off the model built from `config` on meta."""
     model = unfuse(model_on_meta(family, config))
-    return sum(all_reduces(style) for _, _, plan in planned_for(model) for style in plan.values())
+    styled = [(_sub(model, path, key), all_reduces(style)) for path, _, plan in planned_for(model)
+              for key, style in plan.items()]
+    calls = _calls_on_meta(family, config, model, [m for m, n in styled if n])
+    return sum(n * (calls.get(id(m), 1) if calls is not None else 1) for m, n in styled)
+
+
+def _sub(model: nn.Module, path: str, key: str) -> nn.Module:
+    return model.get_submodule(".".join(p for p in (path, key) if p))
+
+
+def _calls_on_meta(family: Family, config: dict, model: nn.Module, modules: list) -> dict | None:
+    """How often one forward calls each of `modules` (a block may run one feed-forward on both streams), read off a
+    forward on meta of the family's example inputs; None where the family has none or the forward needs real
+    values (then each is taken as called once)."""
+    if family.example_inputs is None or not modules:
+        return None
+    calls: dict = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: calls.__setitem__(id(mod), calls.get(id(mod), 0) + 1))
+             for m in modules]
+    try:
+        with torch.no_grad():
+            model(**family.example_inputs(config, device="meta"))
+    except Exception:  # noqa: BLE001 - a forward that needs real values (.item(), data-dependent shapes)
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
 
 
 def all_reduces(style) -> int:
@@ -56,9 +93,12 @@ def all_reduces(style) -> int:
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),
                    processors: tuple[type, ...] = (), **fields) -> Family:
     """A `Family` whose rewrites and plans are derived: `attention` lists the model's attention classes (their
-    rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none); `fields` are the data (variants, sources, test configs, example inputs,
+    rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none, else the
+    processors defined in the model's own file); `fields` are the data (variants, sources, test configs, example inputs,
     replicated Linears). Its all-reduce count is read off the derived plan."""
-    rewrites = tuple(r for r in (attention_rewrite(cls, processors) for cls in attention) if r is not None)
+    rewrites = tuple(r for r in (attention_rewrite(cls, processors or (
+        () if hasattr(cls, "_available_processors") else model_processors(model_class))) for cls in attention)
+        if r is not None)
     holder: list[Family] = []
     family = Family(name=name, model_class=model_class, rewrites=rewrites,
                     count_all_reduces=lambda config: derived_all_reduces(holder[0], config), **fields)

@@ -237,10 +237,16 @@ def block_plans(model: nn.Module, planned: Planned) -> dict[str, dict[str, Paral
 # states: whole on every rank by design (diffusers' own `_tp_plan` leaves them so too).
 # Linears of diffusers' embedding modules (timestep, pooled-text and caption embedders) read inputs every rank holds
 # whole and feed the conditioning: whole too.
+ADAPTIVE_NORM = "adaptive-norm modulation of the replicated conditioning embedding"
 DERIVED_REPLICATED = {
-    "diffusers.models.normalization": "adaptive-norm modulation of the replicated conditioning embedding",
+    "diffusers.models.normalization": ADAPTIVE_NORM,
     "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
 }
+# The same modules written inside a model's own file (CogView4AdaLayerNormZero, HunyuanVideo15AdaNorm, MochiRMSNormZero,
+# Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
+ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation")
+# ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
+ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -272,6 +278,9 @@ def replicated_reason(block: nn.Module, key: str) -> str | None:
                 return reason
         if i and type(owner).__module__ in DERIVED_REPLICATED:
             return DERIVED_REPLICATED[type(owner).__module__]
+        if i and (any(name in type(owner).__name__ for name in ADAPTIVE_NORM_NAMES)
+                  or any(name in names[i - 1].lower() for name in ADAPTIVE_NORM_ATTRIBUTES)):
+            return ADAPTIVE_NORM
     return None
 
 
