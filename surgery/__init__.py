@@ -15,8 +15,22 @@ module, `surgery.testing`, `surgery.sight` (tables, diagrams) and `surgery.app` 
 """
 
 import functools
+import logging
 
-import torch.nn as nn
+
+# diffusers' model base imports torchao where it is installed; on a machine without torchao's CUDA kernels torchao,
+# torch's pytree and diffusers then log import-time warnings that no user can act on (and that would turn a CLI error's
+# one line into ten). Import it first with those three loggers raised to errors, then put them back.
+_QUIET = [logging.getLogger(name) for name in
+          ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer")]
+_LEVELS = [logger.level for logger in _QUIET]
+for _logger in _QUIET:
+    _logger.setLevel(logging.ERROR)
+import diffusers.models.modeling_utils  # noqa: E402,F401
+for _logger, _level in zip(_QUIET, _LEVELS):
+    _logger.setLevel(_level)
+
+import torch.nn as nn  # noqa: E402
 
 from surgery.core import rewrite as _rewrite
 from surgery.core.errors import SurgeryError
