@@ -28,16 +28,23 @@ class QwenImagePlans(unittest.TestCase):
                 model = model_on_meta(family, family.config(variant))
                 self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{name}-{variant}")
 
-    def test_attention_with_a_processor_that_reshapes_by_global_heads_stays_whole(self):
+    def test_attention_with_a_processor_that_reshapes_by_global_heads_shards_after_unfuse(self):
+        """A stock processor that reshapes by the stored head count is refused until `unfuse` gives it its head-dim
+        twin (the processor rule); then that attention shards like the others."""
         from torch.distributed.tensor import DTensor
 
         family = surgery.extend.families()["qwen-image"]
         model = seeded_model(family, family.test_configs["tp_small"])
         model.transformer_blocks[1].attn.set_processor(AttnProcessor2_0())
         with fake_process_group(2):
-            surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+            mesh = init_device_mesh("cpu", (2,))
+            with self.assertRaisesRegex(surgery.SurgeryError, "'transformer_blocks.1.attn' is still a fused"):
+                surgery.tensor_parallel(model, mesh, src_data_rank=None)
+            self.assertNotIsInstance(model.transformer_blocks[0].attn.to_q.weight, DTensor)  # nothing changed
+            surgery.tensor_parallel(surgery.unfuse(model), mesh, src_data_rank=None)
         self.assertIsInstance(model.transformer_blocks[0].attn.to_q.weight, DTensor)
-        self.assertNotIsInstance(model.transformer_blocks[1].attn.to_q.weight, DTensor)
+        self.assertIsInstance(model.transformer_blocks[1].attn.to_q.weight, DTensor)
+        self.assertIsNot(type(model.transformer_blocks[1].attn.processor), AttnProcessor2_0)
         self.assertIsInstance(model.transformer_blocks[1].img_mlp.net[0].proj.weight, DTensor)
 
     def test_qwen_image_2_1_refuses_a_meta_forward_with_the_reason(self):

@@ -131,8 +131,14 @@ def trace(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> to
             return module(*a, **k)
 
     run._orig_mod = module  # make_fx records `nn_module_stack` paths relative to this module
-    with fx_traceback.preserve_node_meta(), torch.no_grad():
-        traced = make_fx(run, record_module_stack=True)(*(values[i] for i in tensors))
+    # A global hook makes each packed leaf (`SplitRows`: one GEMM over the buffer its parts view) run its parts' own
+    # forwards, so the graph shows one projection per unfused Linear, with its own sharding and storage.
+    hook = nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
+    try:
+        with fx_traceback.preserve_node_meta(), torch.no_grad():
+            traced = make_fx(run, record_module_stack=True)(*(values[i] for i in tensors))
+    finally:
+        hook.remove()
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for node, i in zip(placeholders, tensors):
         node.meta["surgery_input"] = _input_name(leaves[i][0], positional)
