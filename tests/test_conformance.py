@@ -214,8 +214,8 @@ class FullSize(unittest.TestCase):
         self.assertEqual(per_rank, expected)
         # the blocks' projections; FLUX.1-dev (72% sharded), QwenImage (66%), HunyuanVideo, LongCat, Bria (72%) keep
         # their per-block AdaLN modulation Linears whole, as diffusers' own plans do: sharding them would add an
-        # all-gather each, more collectives than diffusers' plan
-        self.assertGreater(sum(whole[n] for n in sharded), 0.6 * sum(whole.values()))
+        # all-gather each, more collectives than diffusers' plan; DiT's adaLN-Zero (6 x width per block) is ~40%
+        self.assertGreater(sum(whole[n] for n in sharded), 0.55 * sum(whole.values()))
 
 
 class TensorParallel(unittest.TestCase):

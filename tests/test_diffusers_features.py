@@ -46,7 +46,10 @@ def on_stock(what: str, fn, model):
         frame = error.__traceback__
         while frame.tb_next is not None:
             frame = frame.tb_next
-        if os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_HERE):
+        # a call's TypeError names the callee it is raised for: diffusers' own function refusing its arguments
+        # (HunyuanImage passes attention_mask= to its gradient-checkpointing function, which takes no keywords)
+        on_behalf_of_diffusers = isinstance(error, TypeError) and "ModelMixin." in str(error)
+        if os.path.abspath(frame.tb_frame.f_code.co_filename).startswith(_HERE) and not on_behalf_of_diffusers:
             raise  # the test's own mistake, not stock's refusal
         pytest.skip(f"stock {type(model).__name__} refuses {what}: {type(error).__name__}: {str(error)[:200]}")
 
@@ -79,12 +82,18 @@ def test_on_stock_skips_for_stock_refusals_only():
 def steps(family, config, n: int = 4):
     """Keyword arguments of `n` denoising-like calls: the latents drift, the timestep falls."""
     kw = W.inputs(family, config, 0)
-    noise = torch.randn(kw["hidden_states"].shape, generator=torch.Generator().manual_seed(7))
+    # the latents: `hidden_states`, or Z-Image's `x` (a list, one latent per sample); the timestep: `timestep` or `t`
+    latent = "hidden_states" if "hidden_states" in kw else "x"
+    time = "timestep" if "timestep" in kw else "t"
+    latents = kw[latent] if isinstance(kw[latent], list) else [kw[latent]]
+    generator = torch.Generator().manual_seed(7)
+    noise = [torch.randn(x.shape, generator=generator) for x in latents]
     for i in range(n):
         step = dict(kw)
-        step["hidden_states"] = kw["hidden_states"] + 0.05 * i * noise
-        if isinstance(kw.get("timestep"), torch.Tensor):
-            step["timestep"] = kw["timestep"] * (1.0 - 0.15 * i)
+        drifted = [x + 0.05 * i * z for x, z in zip(latents, noise)]
+        step[latent] = drifted if isinstance(kw[latent], list) else drifted[0]
+        if isinstance(kw.get(time), torch.Tensor):
+            step[time] = kw[time] * (1.0 - 0.15 * i)
         yield step
 
 
@@ -304,10 +313,10 @@ def test_device_map_groups(family_name, config_name):
     from accelerate import infer_auto_device_map
 
     _, _, stock, unfused = build(family_name, config_name)
+    if not stock._no_split_modules:  # diffusers' own class attribute: from_pretrained refuses device_map='auto' then
+        pytest.skip(f"stock {type(stock).__name__} has no `_no_split_modules`: diffusers refuses device_map='auto'")
 
     def device_map(model):
-        if not model._no_split_modules:
-            raise ValueError(f"{type(model).__name__} has no `_no_split_modules`: device_map='auto' is unsupported")
         size = sum(p.numel() * p.element_size() for p in model.parameters())
         budget = {0: size // 3, 1: size // 3, "cpu": 4 * size}
         return infer_auto_device_map(model, max_memory=budget, no_split_module_classes=model._no_split_modules)
@@ -395,7 +404,7 @@ def test_gradient_checkpointing(family_name, config_name):
     got = surgery.state_dict.fuse_state_dict(got, surgery.state_dict.weight_slices(unfused))
     assert sorted(got) == sorted(ref)
     for name, error in W.gradient_errors(got, ref).items():
-        assert error <= TOL, name
+        assert error <= W.FP32_GRAD_TOL, name
     for name, grad in ref_in.items():
         assert rel_err(got_in[name], grad) <= W.FP32_GRAD_TOL, name
 
