@@ -29,7 +29,7 @@ GATED_MLP_TP_PLAN = {"wi_0": ColwiseParallel(), "wi_1": ColwiseParallel(), "wo":
 MLP_TP_PLAN = {"wi": ColwiseParallel(), "wo": RowwiseParallel()}
 
 
-def _check_heads(module: nn.Module, path: str, world: int) -> None:
+def check_heads(module: nn.Module, path: str, world: int) -> None:
     heads = module.n_heads
     if heads % world:
         raise SurgeryError(
@@ -46,5 +46,5 @@ FAMILY = Family(
         f"{_MODELING}.T5DenseGatedActDense": GATED_MLP_TP_PLAN,
         f"{_MODELING}.T5DenseActDense": MLP_TP_PLAN,
     },
-    tp_checks={f"{_MODELING}.T5Attention": _check_heads},
+    tp_checks={f"{_MODELING}.T5Attention": check_heads},
 )

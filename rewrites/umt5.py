@@ -10,11 +10,11 @@ the heads, so each rank computes its own heads' bias. The shared token embedding
 
 from __future__ import annotations
 
-import torch.nn as nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers.models.umt5 import modeling_umt5 as M
 
-from surgery.extend import Family, Rewrite, SurgeryError, mesh_sizes_dividing, recast, register_edits, twin
+from surgery.extend import Family, Rewrite, recast, register_edits, twin
+# T5's literal plans and head check serve UMT5 as they are: the same submodule names (q, k, v, o, wi, wo)
+from surgery_rewrites.t5 import ATTENTION_TP_PLAN, GATED_MLP_TP_PLAN, MLP_TP_PLAN, check_heads
 
 # UMT5's attention views q/k/v by the stored head count, where T5's uses -1: split by head_dim instead; the zero bias
 # of a layer without relative attention bias (decoder cross-attention) counts the heads the rank holds.
@@ -23,26 +23,6 @@ register_edits(M.UMT5Attention, "forward", (
     ("(1, self.n_heads, seq_length, key_length)", "(1, query_states.shape[1], seq_length, key_length)", 1),
 ))
 HeadDimUMT5Attention = twin(M.UMT5Attention, "HeadDimUMT5Attention", "forward")
-
-ATTENTION_TP_PLAN = {
-    "q": ColwiseParallel(),
-    "k": ColwiseParallel(),
-    "v": ColwiseParallel(),
-    "o": RowwiseParallel(),
-    "relative_attention_bias": ColwiseParallel(),  # Embedding [buckets, heads]: each rank's heads' columns
-}
-GATED_MLP_TP_PLAN = {"wi_0": ColwiseParallel(), "wi_1": ColwiseParallel(), "wo": RowwiseParallel()}
-MLP_TP_PLAN = {"wi": ColwiseParallel(), "wo": RowwiseParallel()}
-
-
-def _check_heads(module: nn.Module, path: str, world: int) -> None:
-    heads = module.n_heads
-    if heads % world:
-        raise SurgeryError(
-            f"surgery.tensor_parallel: '{path}' has num_heads={heads}, which a mesh of {world} cannot split into "
-            f"whole heads. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
-        )
-
 
 # The same parameters in both forms (nothing to slice): only the attention's class changes.
 HEADS_BY_HEAD_DIM = Rewrite(
@@ -64,5 +44,5 @@ FAMILY = Family(
         M.UMT5DenseGatedActDense: GATED_MLP_TP_PLAN,
         M.UMT5DenseActDense: MLP_TP_PLAN,
     },
-    tp_checks={HeadDimUMT5Attention: _check_heads},
+    tp_checks={HeadDimUMT5Attention: check_heads},
 )
