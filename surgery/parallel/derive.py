@@ -185,6 +185,11 @@ def projection_plan(module: nn.Module) -> dict | Refused:
             plan[name] = AcrossHeadsNorm()
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
+    for name, param in module.named_parameters(recurse=False):
+        # a tensor the processor reads directly (Helios' `history_key_scale`, one scale per head): a rank holding a
+        # share of the heads would need its share of it, which no derived style gives
+        return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
+                       "the processor reads would need this rank's share of the heads)")
     covered = set(plan)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
