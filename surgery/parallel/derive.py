@@ -3,7 +3,7 @@
 diffusers builds its DiTs from a few parts, so a module of a transformer block that no family plans is read off:
 
 - an attention (`Attention`, `AttentionModuleMixin`, or any module with an integer `heads` and a `to_q` Linear):
-  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` and `to_add_out` rowwise (one all-reduce each); a q/k norm over
+  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` (or a Linear `to_out`) and `to_add_out` rowwise (one all-reduce each); a q/k norm over
   `head_dim` acts on each rank's own heads (`per_head_norm`); a norm over the whole width (`rms_norm_across_heads`)
   gets `AcrossHeadsNorm`, whose statistic is one all-reduce of a number per token, never an all-gather of q/k. Its
   processor must split heads by `head_dim` (`surgery.core.leaves`: the twin `unfuse` installs, or a stock processor
@@ -35,7 +35,7 @@ from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
 INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_out", "to_add_out")  # `to_out` a Linear itself, not a ModuleList
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 

@@ -252,7 +252,8 @@ ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """`(path, block)` for the model's transformer blocks, outermost only: the modules of its `_repeated_blocks`
     classes where it names them (diffusers' regional-compile list), else the elements of the ModuleLists that are
-    its direct children."""
+    its direct children; with `_repeated_blocks`, also the elements of such lists that hold an attention the list
+    leaves out (WanAnimate's face adapters, injected between its blocks): their projections are as large."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
     lists = {id(child) for child in model.children() if isinstance(child, nn.ModuleList)}
     parents = dict(model.named_modules())
@@ -260,7 +261,9 @@ def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, module in model.named_modules():
         if not path or any(path.startswith(p + ".") for p, _ in found):
             continue
-        block = type(module).__name__ in names if names else id(parents[path.rpartition(".")[0]]) in lists
+        in_list = id(parents[path.rpartition(".")[0]]) in lists
+        block = in_list if not names else type(module).__name__ in names or (
+            in_list and any(is_attention(m) for m in module.modules()))
         if block:
             found.append((path, module))
     return found
