@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin, under
+from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
@@ -136,14 +136,25 @@ def processor_reads_head_count(processor) -> bool:
         return True  # no source to read: assume the worst
 
 
+def has_twin_rule(processor_class: type) -> bool:
+    """Whether a head-dim twin of a processor class can be built (the processor rule, or edits listed for it)."""
+    try:
+        return edits_for(processor_class) is not None
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
     processor = getattr(module, "processor", None)
     if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
-        return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
-                       "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
-                       "surgery.unfuse has not run)")
+        name = type(processor).__name__
+        if not has_twin_rule(type(processor)):
+            return Refused(f"its processor {name} reads the stored head count `attn.heads` beyond the reshapes the "
+                           "processor rule of surgery.core.leaves rewrites, so no head-dim twin of it exists")
+        return Refused(f"its processor {name} reshapes by the stored head count `attn.heads`, and no head-dim twin "
+                       "runs (surgery.unfuse has not run, or no registered family lists this attention class)")
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
