@@ -252,7 +252,8 @@ ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """`(path, block)` for the model's transformer blocks, outermost only: the modules of its `_repeated_blocks`
     classes (diffusers' regional-compile list) and the elements of the ModuleLists that are its direct children
-    (both: a list may miss a variant's block class, HunyuanVideo-I2V's token-replace blocks)."""
+    (both: a list may miss a variant's block class, HunyuanVideo-I2V's token-replace blocks, or blocks injected
+    between the others, WanAnimate's face adapters)."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
     lists = {id(child) for child in model.children() if isinstance(child, nn.ModuleList)}
     parents = dict(model.named_modules())
