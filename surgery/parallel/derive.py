@@ -128,6 +128,17 @@ def norm_width(norm: nn.Module) -> int | None:
     return int(shape[-1] if isinstance(shape, (tuple, list)) or hasattr(shape, "__len__") else shape)
 
 
+def qk_norms_per_head(module: nn.Module) -> bool:
+    """Whether an attention module's q/k norms (where it has any) each normalize one head's `head_dim` features: a
+    shared plan written for per-head norms fits it; a norm across heads needs the derived `AcrossHeadsNorm`."""
+    heads, q = getattr(module, "heads", None), getattr(module, "to_q", None)
+    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+        return True
+    norms = [_child(module, name) for name in QK_NORMS]
+    return all(norm_width(norm) in (None, q.out_features // heads) for norm in norms
+               if norm is not None and not isinstance(norm, nn.Identity))
+
+
 def processor_reads_head_count(processor) -> bool:
     """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
     try:
