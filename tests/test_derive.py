@@ -201,6 +201,33 @@ class Rotary(unittest.TestCase):
         assert_unchanged(model, snap)
 
 
+class SharedParts(unittest.TestCase):
+    def test_norms_across_heads_on_the_shared_attention_take_their_statistic(self):
+        # Sana-Sprint's `rms_norm_across_heads` on diffusers' shared `Attention`: the registered `Attention` plan
+        # (norms per head) declines it, so each norm gets `AcrossHeadsNorm` (weight Shard(0), one all-reduce of a
+        # number per token), not a replicated weight over a width it cannot see whole
+        torch.manual_seed(0)
+        config = W.families()["sana"].test_configs["tiny_sprint"]
+        model = surgery.unfuse(diffusers.SanaTransformer2DModel(**config))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        for attention in ("attn1", "attn2"):
+            plan = plans[f"transformer_blocks.0.{attention}"]
+            self.assertEqual({k for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)}, {"norm_q", "norm_k"})
+        self.assertEqual(sum(all_reduces(s) for p in plans.values() for s in p.values()),
+                         config["num_layers"] * 2 * (1 + 2))  # per block, per attention: to_out.0 and two norms
+
+    def test_the_processor_rule_reads_a_streams_local_width(self):
+        # HiDream's processor takes the head size from its image stream's key (`inner_dim = key_i.shape[-1]`)
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamAttnProcessor
+
+        from surgery.core.leaves import edited_source, rule_edits
+
+        self.assertIsNotNone(rule_edits(HiDreamAttnProcessor))
+        source = edited_source(HiDreamAttnProcessor)
+        self.assertNotIn("attn.heads, head_dim", source)
+        self.assertEqual(source.count("view(batch_size, -1, inner_dim // head_dim, head_dim)"), 6)
+
+
 if __name__ == "__main__":
     unittest.main()
 

@@ -35,9 +35,12 @@ from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
-INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_out", "to_add_out")  # `to_out` a Linear itself, not a ModuleList
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# diffusers' spellings of an attention's projections and q/k norms: its shared `Attention`'s, and the `_t` (text
+# stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's)
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t")  # `to_out` where it is the Linear itself
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
+            "k_rms_norm_t")
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -174,6 +177,17 @@ def norm_width(norm: nn.Module) -> int | None:
     return int(shape[-1] if isinstance(shape, (tuple, list)) or hasattr(shape, "__len__") else shape)
 
 
+def qk_norms_per_head(module: nn.Module) -> bool:
+    """Whether an attention module's q/k norms (where it has any) each normalize one head's `head_dim` features: a
+    shared plan written for per-head norms fits it; a norm across heads needs the derived `AcrossHeadsNorm`."""
+    heads, q = getattr(module, "heads", None), getattr(module, "to_q", None)
+    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+        return True
+    norms = [_child(module, name) for name in QK_NORMS]
+    return all(norm_width(norm) in (None, q.out_features // heads) for norm in norms
+               if norm is not None and not isinstance(norm, nn.Identity))
+
+
 def processor_reads_head_count(processor) -> bool:
     """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
     try:
@@ -258,7 +272,7 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
-                           "(not q/k/v, added q/k/v, to_out.0 or to_add_out)")
+                           f"(not one of {', '.join(INPUT_PROJECTIONS + OUTPUT_PROJECTIONS)})")
     for name in ("to_k", "add_k_proj"):
         k = _child(module, name)
         if isinstance(k, nn.Linear) and k.out_features % head_dim:
