@@ -9,13 +9,12 @@ all-reduce count.
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
-from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
+from diffusers.models.transformers import transformer_chronoedit as chronoedit
 from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel, WanVACETransformerBlock
 
-from surgery.extend import derived_family, register_refused
+from surgery.extend import derived_family
 from surgery_rewrites.hunyuan_video import video_grid
 
 
@@ -86,6 +85,20 @@ FAMILIES = (
         test_configs={"tiny": _WAN_TINY},
     ),
     derived_family(
+        "chronoedit", chronoedit.ChronoEditTransformer3DModel, attention=(chronoedit.WanAttention,),
+        variants={
+            "14b": {**_WAN, "ffn_dim": 13824, "in_channels": 36, "num_attention_heads": 40, "num_layers": 40,
+                    "image_dim": 1280, "added_kv_proj_dim": 5120, "rope_max_seq_len": 1024},
+        },
+        sources="nvidia/ChronoEdit-14B-Diffusers: Wan2.1-I2V-14B's transformer (diffusers scripts/"
+        "convert_wan_to_diffusers.py, Wan-I2V-14B-720p; the same numbers in an early copy of its transformer/"
+        "config.json, huggingface.co/NopenAI/nv-chronoedit) with ChronoEdit's default rope_temporal_skip_len=8",
+        default_variant="14b",
+        # 16 image tokens make 2 latent frames: ChronoEdit's two-frame (edit) rotary path
+        example_inputs=wan_inputs,
+        test_configs={"tiny_i2v": {**_WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}, "tiny": _WAN_TINY},
+    ),
+    derived_family(
         "wan-vace", WanVACETransformer3DModel, attention=(WanAttention,),
         variants={
             "1.3b": {**_WAN, "ffn_dim": 8960, "in_channels": 16, "num_attention_heads": 12, "num_layers": 30,
@@ -101,10 +114,3 @@ FAMILIES = (
             ("proj_in", "proj_out"), "VACE hint projection of full-width hidden states every rank holds whole")},
     ),
 )
-
-# Classes the derivation reads as shardable but which are not, refused at plan time with the reason.
-ROPE_ACROSS_WIDTH = ("its processor rotates q and k across the whole attention width before splitting heads (cos/sin "
-                     "of heads x head_dim per token): a rank's share of q/k needs its share of cos/sin, which no "
-                     "stock style gives")
-register_refused(LTXVideoTransformer3DModel, ROPE_ACROSS_WIDTH)
-register_refused(LTX2VideoTransformer3DModel, ROPE_ACROSS_WIDTH + "; its gated attention adds per-head gates")

@@ -27,6 +27,7 @@ from surgery.core.registry import (
     register_family,
     register_refused,
     register_replicated,
+    register_rotary,
 )
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
@@ -37,7 +38,7 @@ from surgery.parallel.families import derived_family
 __all__ = [
     # describing a family
     "Family", "derived_family", "register_family", "families", "family_of", "build", "register_replicated",
-    "register_refused",
+    "register_refused", "register_rotary",
     # rewrites: a leaf swapped inside the stock class, or a class of its own
     "Rewrite", "swap_rewrite", "Leaf", "rows", "columns", "Processors", "twin", "runs_twin", "translate", "recast",
     "register_edits",

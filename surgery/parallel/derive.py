@@ -3,7 +3,7 @@
 diffusers builds its DiTs from a few parts, so a module of a transformer block that no family plans is read off:
 
 - an attention (`Attention`, `AttentionModuleMixin`, or any module with an integer `heads` and a `to_q` Linear):
-  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` and `to_add_out` rowwise (one all-reduce each); a q/k norm over
+  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` (or a Linear `to_out`) and `to_add_out` rowwise (one all-reduce each); a q/k norm over
   `head_dim` acts on each rank's own heads (`per_head_norm`); a norm over the whole width (`rms_norm_across_heads`)
   gets `AcrossHeadsNorm`, whose statistic is one all-reduce of a number per token, never an all-gather of q/k. Its
   processor must split heads by `head_dim` (`surgery.core.leaves`: the twin `unfuse` installs, or a stock processor
@@ -25,13 +25,14 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin, under
+from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
+from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
 # diffusers' spellings of an attention's projections and q/k norms: its shared `Attention`'s, and the `_t` (text
@@ -72,6 +73,51 @@ class AcrossHeadsNorm(ParallelStyle):
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+class RotaryAcrossWidth(ParallelStyle):
+    """An attention's rotary tables, where its processor rotates q and k across the whole attention width before
+    splitting heads (LTX-Video, LTX-2): column-sharded q/k hold this rank's heads, a contiguous share of the width, so
+    their cos/sin must be the same share. Every rank holds the tables whole (`Replicate`); the module gets its `Shard`
+    of each, a local slice (no communication): a `[batch, tokens, heads x head_dim]` table on its last dim, a
+    `[batch, heads, tokens, head_dim / 2]` one (diffusers' "split" layout, whose processor reads the head count off
+    `cos.shape[1]`) on its heads dim. `names` are the forward's arguments that carry `(cos, sin)` tuples or None.
+
+    Stock `PrepareModuleInput` does the same Replicate -> Shard step for a keyword argument holding one tensor; it
+    refuses these, a tuple of two tensors (and None, for a cross-attention called without rotary), and it would miss
+    one passed by position; so this style binds the forward's signature and maps the step over each tuple."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names = names
+
+    @staticmethod
+    def table_dim(table) -> int:
+        return 1 if table.ndim == 4 else table.ndim - 1
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        signature = inspect.signature(module.forward)
+        where = type(module).__name__
+
+        def local(table):
+            dim = self.table_dim(table)
+            if table.shape[dim] % mesh.size():
+                raise SurgeryError(f"surgery.tensor_parallel: a {where}'s rotary table of shape {tuple(table.shape)} "
+                                   f"has {table.shape[dim]} entries on dim {dim}, which a mesh of {mesh.size()} cannot "
+                                   "split like its heads. Use a mesh size that divides its heads.")
+            whole = DTensor.from_local(table, mesh, (Replicate(),), run_check=False)
+            return whole.redistribute(mesh, (Shard(dim),)).to_local()
+
+        def shares(_, args, kwargs):
+            bound = signature.bind(*args, **kwargs)
+            for name in self.names:
+                tables = bound.arguments.get(name)
+                if tables is not None:
+                    bound.arguments[name] = type(tables)(local(t) for t in tables)
+            return bound.args, bound.kwargs
+
+        module.register_forward_pre_hook(shares, with_kwargs=True)
+        return module
 
 
 class OwnedColwise(ColwiseParallel):
@@ -150,17 +196,31 @@ def processor_reads_head_count(processor) -> bool:
         return True  # no source to read: assume the worst
 
 
+def has_twin_rule(processor_class: type) -> bool:
+    """Whether a head-dim twin of a processor class can be built (the processor rule, or edits listed for it)."""
+    try:
+        return edits_for(processor_class) is not None
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
     processor = getattr(module, "processor", None)
     if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
-        return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
-                       "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
-                       "surgery.unfuse has not run)")
+        name = type(processor).__name__
+        if not has_twin_rule(type(processor)):
+            return Refused(f"its processor {name} reads the stored head count `attn.heads` beyond the reshapes the "
+                           "processor rule of surgery.core.leaves rewrites, so no head-dim twin of it exists")
+        return Refused(f"its processor {name} reshapes by the stored head count `attn.heads`, and no head-dim twin "
+                       "runs (surgery.unfuse has not run, or no registered family lists this attention class)")
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
+    rotary = rotary_inputs_for(module)
+    if rotary and not isinstance(plan, Refused):
+        plan = {**plan, "": RotaryAcrossWidth(*rotary)}
     return plan
 
 
@@ -180,6 +240,10 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     for name in OUTPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
             plan[name] = RowwiseParallel()
+    for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
+        if (name not in plan and isinstance(child, nn.Linear) and child.out_features == heads
+                and child.in_features == q.in_features):
+            plan[name] = ColwiseParallel()
     for name in QK_NORMS:
         norm = _child(module, name)
         if norm is None or isinstance(norm, nn.Identity):
@@ -199,6 +263,11 @@ def projection_plan(module: nn.Module) -> dict | Refused:
             plan[name] = AcrossHeadsNorm()
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
+    for name, param in module.named_parameters(recurse=False):
+        # a tensor the processor reads directly (Helios' `history_key_scale`, one scale per head): a rank holding a
+        # share of the heads would need its share of it, which no derived style gives
+        return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
+                       "the processor reads would need this rank's share of the heads)")
     covered = set(plan)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
