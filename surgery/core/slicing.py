@@ -63,6 +63,8 @@ def back_to_back(tensors: list[torch.Tensor], dim: int) -> torch.Tensor | None:
     """The tensor whose consecutive slices along `dim` (0: rows, 1: columns of 2-D tensors) `tensors` are, as a view
     of their one storage; `None` where they do not lie so (another storage, a gap, another dtype or layout)."""
     first = tensors[0]
+    if any(hasattr(t, "__tensor_flatten__") for t in tensors):  # a wrapper (a quantized weight) has no storage
+        return None
     if first.is_meta or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
         return None
     storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()

@@ -1,0 +1,63 @@
+"""What each gloo rank runs for the GGUF tests: a GGUF FLUX.2 checkpoint loaded whole by diffusers, unfused and
+sharded by `tensor_parallel`, against the same GGUF model run whole on one process."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+warnings.filterwarnings("ignore")
+
+import surgery  # noqa: E402
+from surgery.core.gguf import GGUFWeight  # noqa: E402
+from surgery.parallel.quantized import held_bytes  # noqa: E402
+from surgery.testing import rel_err  # noqa: E402
+from surgery_rewrites.flux2 import example_inputs  # noqa: E402
+from gguf_testing import GGUF_CONFIG, load_gguf  # noqa: E402
+
+KINDS = ("Q8_0", "Q4_0", "Q4_K")
+
+
+def _forward(model, kw):
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]
+
+
+def expected_bytes(whole, sharded, world: int) -> int:
+    """What a rank should hold: each cut tensor's bytes (GGUF bytes of a GGUF weight) over `world`, the rest whole."""
+    total = 0
+    for name, param in whole.named_parameters():
+        mine = sharded.get_parameter(name)
+        stored = param.qdata if isinstance(param, GGUFWeight) else param
+        held = mine.qdata if isinstance(mine, GGUFWeight) else mine
+        cut = isinstance(held, DTensor) and held.placements[0].is_shard()
+        total += stored.nbytes // world if cut else stored.nbytes
+    return total + sum(b.nbytes for b in whole.buffers())
+
+
+def run(rank: int, world: int, folder: str) -> dict:
+    mesh = init_device_mesh("cpu", (world,))
+    kw = example_inputs(GGUF_CONFIG, batch=2, image_tokens=10, text_tokens=6, seed=0)
+    result = {}
+    for kind in KINDS:
+        path = Path(folder) / kind / "model.gguf"
+        stock = load_gguf(path)  # diffusers' GGUFLinears, run whole: the reference
+        expected = _forward(stock, kw)
+        row = {"whole_vs_float": rel_err(expected, _forward(load_gguf(Path(folder) / "F32" / "model.gguf"), kw))}
+        unfused = surgery.unfuse(load_gguf(path))
+        row["unfused"] = rel_err(_forward(unfused, kw), expected)
+        row["whole_bytes"] = held_bytes(unfused)
+        whole = copy.deepcopy(unfused)
+        surgery.tensor_parallel(unfused, mesh)
+        row["tp"] = rel_err(_forward(unfused, kw), expected)
+        row["tp_bytes"] = held_bytes(unfused)
+        row["tp_expected_bytes"] = expected_bytes(whole, unfused, world)
+        row["tp_sharded_gguf"] = sum(isinstance(p, GGUFWeight) and isinstance(p.qdata, DTensor)
+                                     and p.qdata.placements[0].is_shard() for p in unfused.parameters())
+        result[kind] = row
+    return result

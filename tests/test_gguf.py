@@ -1,0 +1,123 @@
+"""GGUF checkpoints (diffusers' GGUF loader) unfused and sharded: 2 gloo ranks against the same GGUF model run whole by
+diffusers; cuts inside a GGUF block refused with the numbers."""
+
+import functools
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch
+from parameterized import parameterized
+
+import surgery
+from surgery.core.errors import SurgeryError
+from surgery.core.gguf import GGUFWeight
+from surgery.parallel.plans import checked_plan
+from surgery.testing import FP32_TOL, run_on_cpu_ranks
+from surgery_rewrites.flux2 import example_inputs, seeded_model
+from gguf_testing import GGUF_CONFIG, load_gguf, write_gguf
+import gguf_worker
+
+WORLD = 2
+
+
+@functools.lru_cache(maxsize=None)
+def folder() -> str:
+    root = Path(tempfile.mkdtemp(prefix="surgery-gguf-"))
+    model = seeded_model(GGUF_CONFIG, 0)
+    for kind in ("F32", *gguf_worker.KINDS):
+        (root / kind).mkdir()
+        write_gguf(model, root / kind / "model.gguf", kind)
+    return str(root)
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> list[dict]:
+    return run_on_cpu_ranks(gguf_worker.run, WORLD, folder())
+
+
+def _stored(model) -> dict:
+    return {name: (id(p), type(p), (p.qdata if isinstance(p, GGUFWeight) else p).detach().clone())
+            for name, p in model.named_parameters()}
+
+
+def _assert_same(test, model, before) -> None:
+    now = _stored(model)
+    test.assertEqual(list(now), list(before))
+    for name, (ident, cls, value) in before.items():
+        test.assertEqual((now[name][0], now[name][1]), (ident, cls), name)
+        test.assertTrue(torch.equal(now[name][2], value), name)
+
+
+class ShardedGGUF(unittest.TestCase):
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_the_reference_is_quantized(self, kind):
+        # diffusers' GGUF model differs from the float one by quantization error, far above float noise: agreeing
+        # with it says the sharded model runs the GGUF bytes
+        for result in results():
+            self.assertGreater(result[kind]["whole_vs_float"], 100 * FP32_TOL)
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_unfused_equals_whole_gguf_model(self, kind):
+        for result in results():
+            self.assertLessEqual(result[kind]["unfused"], FP32_TOL)
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_sharded_equals_whole_gguf_model(self, kind):
+        for rank, result in enumerate(results()):
+            self.assertLessEqual(result[kind]["tp"], FP32_TOL, f"rank {rank}")
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_each_rank_holds_its_cut_of_the_gguf_bytes(self, kind):
+        for result in results():
+            row = result[kind]
+            self.assertEqual(row["tp_sharded_gguf"], 21)  # every block Linear of one double and one single block
+            self.assertEqual(row["tp_bytes"], row["tp_expected_bytes"])
+            self.assertLess(row["tp_bytes"], row["whole_bytes"])
+
+
+class CutsInsideABlock(unittest.TestCase):
+    def test_unfuse_refuses_a_column_cut_inside_a_q4_k_block(self):
+        # inner 320 + MLP hidden 960 = 1280 columns (5 Q4_K blocks) in the single block's to_out; the cut between
+        # its attention and MLP parts falls at column 320, inside the second block
+        config = dict(GGUF_CONFIG, num_attention_heads=5, attention_head_dim=64, axes_dims_rope=(16, 16, 16, 16))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_gguf(seeded_model(config, 0), Path(tmp) / "model.gguf", "Q4_K", only=r"linear2")
+            model = load_gguf(path)
+        before = _stored(model)
+        classes = [type(m) for m in model.modules()]
+        with self.assertRaises(SurgeryError) as caught:
+            surgery.unfuse(model)
+        message = str(caught.exception)
+        for part in ("single_transformer_blocks.0.attn.to_out.weight", "Q4_K", "blocks of 256", "column 320",
+                     "of 1280"):
+            self.assertIn(part, message)
+        _assert_same(self, model, before)
+        self.assertEqual([type(m) for m in model.modules()], classes)  # diffusers' GGUFLinears back in place
+
+    def test_tensor_parallel_refuses_a_rowwise_cut_inside_a_q4_k_block(self):
+        model = surgery.unfuse(load_gguf(Path(folder()) / "Q4_K" / "model.gguf"))
+        with self.assertRaises(SurgeryError) as caught:
+            checked_plan(model, None, None, 4)  # 512 columns in shards of 128, half a block
+        message = str(caught.exception)
+        for part in ("Q4_K", "blocks of 256", "512 columns into shards of 128", "mesh of 4"):
+            self.assertIn(part, message)
+        checked_plan(model, None, None, 2)
+
+
+class UnfusedGGUFForward(unittest.TestCase):
+    def test_unfused_parts_hold_byte_slices_of_the_fused_weight(self):
+        # rows of GGUF bytes are rows of the weight: q is the first 512 byte rows of to_qkv_mlp_proj, no copy
+        model = load_gguf(Path(folder()) / "Q8_0" / "model.gguf")
+        fused = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj.weight
+        surgery.unfuse(model)
+        parts = model.single_transformer_blocks[0].attn.to_qkv_mlp_proj
+        self.assertIsInstance(parts.q.weight, GGUFWeight)
+        self.assertEqual(parts.q.weight.qdata.data_ptr(), fused.data_ptr())
+        self.assertTrue(torch.equal(parts.k.weight.qdata, fused.as_tensor()[512:1024]))
+        kw = example_inputs(GGUF_CONFIG, batch=1, image_tokens=4, text_tokens=3)
+        self.assertEqual(model(**kw, return_dict=False)[0].shape, kw["hidden_states"].shape)
+
+
+if __name__ == "__main__":
+    unittest.main()
