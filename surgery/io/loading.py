@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,8 @@ from tqdm.auto import tqdm
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from surgery.core.errors import SurgeryError
+from surgery.core.gguf import GGUFWeight, check_columns, type_name
+from surgery.io.gguf_file import GGUFFile, row_sources
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
 from surgery.core.state_dict import weight_slices
@@ -112,6 +115,27 @@ def _fingerprint(model: nn.Module, planned: list, world: int, custom: bool) -> d
     return parts
 
 
+def _on_meta(model: type | nn.Module | None, folder: Path) -> nn.Module:
+    if isinstance(model, nn.Module):
+        on_meta = [n for n, p in model.named_parameters() if not p.is_meta]
+        if on_meta:
+            raise SurgeryError(f"load_tensor_parallel: pass a model built on the meta device; '{on_meta[0]}' is not.")
+        return model
+    return model_on_meta(folder, model)
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _set(model: nn.Module, name: str, loaded: nn.Parameter, aliases: dict[str, list[str]]) -> None:
+    for alias in (name, *aliases.get(name, ())):  # tied weights (a text encoder's embeddings) stay tied
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, loaded)
+
+
 def _load_tensor_parallel(
     model: type | nn.Module | None,
     checkpoint: str | os.PathLike,
@@ -127,21 +151,17 @@ def _load_tensor_parallel(
 ) -> tuple[nn.Module, list]:
     """`load_tensor_parallel` on this rank alone (no collective): the model and its planned modules."""
 
+    if str(checkpoint).endswith(".gguf"):
+        return _load_gguf(model, Path(checkpoint), mesh, dtype=dtype, progress=progress, plan=plan,
+                          filter_fn=filter_fn)
     folder = resolve_checkpoint(os.path.join(checkpoint, subfolder) if subfolder else checkpoint, cache_dir)
-    if isinstance(model, nn.Module):
-        on_meta = [n for n, p in model.named_parameters() if not p.is_meta]
-        if on_meta:
-            raise SurgeryError(f"load_tensor_parallel: pass a model built on the meta device; '{on_meta[0]}' is not.")
-    else:
-        model = model_on_meta(folder, model)
+    model = _on_meta(model, folder)
     unfuse(model)
     planned = checked_plan(model, plan, filter_fn, mesh.size())
     placements = _placements(model, planned)
     slices = weight_slices(model)
     rank, world = mesh.get_local_rank(), mesh.size()
-    device = torch.device("cpu")
-    if mesh.device_type != "cpu":
-        device = torch.device(mesh.device_type, torch.accelerator.current_device_index())
+    device = _device(mesh)
 
     with Reader(folder, variant) as reader:
         reader.rename(checkpoint_renames(model, set(reader.files)))
@@ -159,11 +179,12 @@ def _load_tensor_parallel(
             local = local.to(device=device, dtype=dtype or local.dtype).contiguous()
             if placement is not None:
                 local = DTensor.from_local(local, mesh, (placement,), run_check=False)
-            loaded = nn.Parameter(local, requires_grad=param.requires_grad)
-            for alias in (name, *aliases.get(name, ())):  # tied weights (a text encoder's embeddings) stay tied
-                owner, _, leaf = alias.rpartition(".")
-                setattr(model.get_submodule(owner), leaf, loaded)
+            _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad), aliases)
 
+    return _finish(model, planned, mesh)
+
+
+def _finish(model: nn.Module, planned: list, mesh: DeviceMesh) -> tuple[nn.Module, list]:
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise SurgeryError(f"load_tensor_parallel: {left[0]!r} is not in the checkpoint and has no initializer.")
@@ -171,3 +192,62 @@ def _load_tensor_parallel(
     pack_sharded(model, planned, mesh)
     return model.eval(), planned
 
+
+
+def _load_gguf(model: type | nn.Module | None, path: Path, mesh: DeviceMesh, *, dtype: torch.dtype | None,
+               progress: bool, plan: dict[str, ParallelStyle] | None, filter_fn: FilterFn | None
+               ) -> tuple[nn.Module, list]:
+    """`load_tensor_parallel` of a .gguf file (config.json beside it, or a model built on meta): each rank reads only
+    the GGUF bytes of its rows and block columns of each quantized weight, held as a `GGUFWeight` around a DTensor
+    (`surgery.core.gguf`), and its slices of the plain (F32 / F16) tensors, cast to `dtype` (default float32, the
+    dtype the GGUF weights dequantize to too). Equals `tensor_parallel(unfuse(from_single_file(path,
+    quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))), mesh)`: the same bytes on each rank."""
+    if not path.is_file():
+        raise SurgeryError(f"load_tensor_parallel: '{path}' is not a file.")
+    model = _on_meta(model, path.parent)
+    compute = dtype or torch.float32
+    rank, world = mesh.get_local_rank(), mesh.size()
+    device = _device(mesh)
+    with GGUFFile(path) as file:
+        rows_of = row_sources(model, file)  # the fused model's names
+        unfuse(model)
+        planned = checked_plan(model, plan, filter_fn, world)
+        placements = _placements(model, planned)
+        sources = {s.unfused: s for s in weight_slices(model)}
+        aliases = _aliases(model)
+        reads = []  # every read decided and checked before the first byte is read
+        for name, param in model.named_parameters():
+            source, placement = sources.get(name), placements.get(name)
+            stored_name, rows = rows_of[source.fused if source else name]
+            stored = file.tensors[stored_name]
+            index = _source_index(param.shape, source, placement, rank, world)
+            columns = slice(*index[1].indices(stored.shape[-1])[:2]) if param.ndim > 1 else None
+            if stored.quantized:
+                _check_gguf_read(model, name, param, stored, columns)
+            reads.append((name, param, placement, stored, rows[index[0]].tolist(), columns))
+        for name, param, placement, stored, rows, columns in tqdm(
+                reads, desc=f"loading {path.name} ({world} ranks)", disable=not progress or rank != 0):
+            local = file.read(stored.name, rows, columns).to(device)
+            if not stored.quantized:
+                local = local.to(compute)
+            if placement is not None:
+                local = DTensor.from_local(local, mesh, (placement,), run_check=False)
+            if stored.quantized:
+                local = GGUFWeight(local, stored.ggml_type, param.shape, compute)
+            _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad and not stored.quantized),
+                 aliases)
+    return _finish(model, planned, mesh)
+
+
+def _check_gguf_read(model: nn.Module, name: str, param: torch.Tensor, stored, columns: slice | None) -> None:
+    """A GGUF-quantized tensor loads only as a Linear's weight, cut on block boundaries."""
+    owner, _, leaf = name.rpartition(".")
+    if type(model.get_submodule(owner)) is not nn.Linear or leaf != "weight":
+        raise SurgeryError(
+            f"load_tensor_parallel: '{stored.name}' is GGUF {type_name(stored.ggml_type)} and would load into "
+            f"'{name}', which is not an nn.Linear weight; only Linear weights run quantized. Dequantize it in the file."
+        )
+    if columns is not None:
+        # the columns of the stored row this rank reads (a block boundary each, or a byte range would split a block)
+        stored_weight = GGUFWeight(torch.empty(0, dtype=torch.uint8), stored.ggml_type, stored.shape, torch.float32)
+        check_columns(stored_weight, columns.start, columns.stop, f"load_tensor_parallel: '{name}' ('{stored.name}')")
