@@ -4,6 +4,7 @@ sharded by `tensor_parallel`, against the same GGUF model run whole on one proce
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from pathlib import Path
 
@@ -59,5 +60,42 @@ def run(rank: int, world: int, folder: str) -> dict:
         row["tp_expected_bytes"] = expected_bytes(whole, unfused, world)
         row["tp_sharded_gguf"] = sum(isinstance(p, GGUFWeight) and isinstance(p.qdata, DTensor)
                                      and p.qdata.placements[0].is_shard() for p in unfused.parameters())
+        loaded, read = _load_counting_reads(path, mesh)
+        row["loaded"] = rel_err(_forward(loaded, kw), expected)
+        row["loaded_bytes"] = held_bytes(loaded)
+        row["loaded_read"] = read
+        row["loaded_same_as_tp"] = _same_local(loaded, unfused)
+        row["file_bytes"] = path.stat().st_size
         result[kind] = row
     return result
+
+
+def _load_counting_reads(path: Path, mesh):
+    """`load_tensor_parallel` of the .gguf file, with every byte it reads from the file counted (os.pread: how the
+    GGUF path reads tensor data; the header is parsed from a map before)."""
+    counted = [0]
+    real = os.pread
+
+    def pread(fd, n, offset):
+        data = real(fd, n, offset)
+        counted[0] += len(data)
+        return data
+
+    os.pread = pread
+    try:
+        model = surgery.load_tensor_parallel(None, path, mesh, progress=False)
+    finally:
+        os.pread = real
+    return model, counted[0]
+
+
+def _local(t):
+    t = t.qdata if isinstance(t, GGUFWeight) else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _same_local(a, b) -> bool:
+    """The two sharded models hold the same local tensors (GGUF bytes and plain values), parameter by parameter."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return list(pa) == list(pb) and all(
+        type(pa[n]) is type(pb[n]) and torch.equal(_local(pa[n]), _local(pb[n])) for n in pa)

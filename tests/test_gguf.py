@@ -76,6 +76,30 @@ class ShardedGGUF(unittest.TestCase):
             self.assertLess(row["tp_bytes"], row["whole_bytes"])
 
 
+class LoadedSharded(unittest.TestCase):
+    """`load_tensor_parallel` of the .gguf file: each rank reads only its bytes."""
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_equals_whole_gguf_model(self, kind):
+        for rank, result in enumerate(results()):
+            self.assertLessEqual(result[kind]["loaded"], FP32_TOL, f"rank {rank}")
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_holds_what_sharding_the_whole_model_holds(self, kind):
+        for result in results():
+            self.assertTrue(result[kind]["loaded_same_as_tp"])
+            self.assertEqual(result[kind]["loaded_bytes"], result[kind]["tp_expected_bytes"])
+
+    @parameterized.expand([(k,) for k in gguf_worker.KINDS])
+    def test_bytes_read_equal_bytes_held(self, kind):
+        # every tensor of the file is F32 or GGUF bytes, loaded as float32 / kept as bytes: a rank that read more
+        # than its cut (a whole tensor, a row's other blocks) reads more than it holds
+        for result in results():
+            row = result[kind]
+            self.assertEqual(row["loaded_read"], row["loaded_bytes"])
+            self.assertLess(row["loaded_read"], row["file_bytes"])
+
+
 class CutsInsideABlock(unittest.TestCase):
     def test_unfuse_refuses_a_column_cut_inside_a_q4_k_block(self):
         # inner 320 + MLP hidden 960 = 1280 columns (5 Q4_K blocks) in the single block's to_out; the cut between
