@@ -45,7 +45,7 @@ def derived_linear_styles(model: nn.Module) -> dict[str, type]:
             plan = projection_plan(child) if is_attention(child) else (
                 tp_plan_for(child)[0] if type(child).__name__ == "FeedForward" else
                 {parts[1]: ColwiseParallel()} if parts else
-                {ff[1]: RowwiseParallel(), **({} if ff[2] else {ff[0]: ColwiseParallel()})} if ff else None)
+                {ff[1]: RowwiseParallel(), **({} if ff[2] else dict.fromkeys(ff[0], ColwiseParallel()))} if ff else None)
             if isinstance(plan, dict):
                 for name, style in plan.items():
                     if isinstance(child.get_submodule(name), nn.Linear):
@@ -54,7 +54,7 @@ def derived_linear_styles(model: nn.Module) -> dict[str, type]:
 
 
 class AgainstDiffusersTpPlan(unittest.TestCase):
-    @parameterized.expand([("flux1",), ("flux2",), ("qwen-image",)])
+    @parameterized.expand([("flux1",), ("flux2",), ("qwen-image",), ("qwen-image-2.1",)])
     def test_derived_styles_equal_diffusers_tp_plan(self, family_name):
         family = W.families()[family_name]
         cls = model_class(family)

@@ -91,14 +91,16 @@ def all_reduces(style) -> int:
 
 
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),
-                   processors: tuple[type, ...] = (), **fields) -> Family:
+                   processors: tuple[type, ...] = (), rewrites: tuple[Rewrite, ...] = (), **fields) -> Family:
     """A `Family` whose rewrites and plans are derived: `attention` lists the model's attention classes (their
     rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none, else the
-    processors defined in the model's own file); `fields` are the data (variants, sources, test configs, example inputs,
-    replicated Linears). Its all-reduce count is read off the derived plan."""
+    processors defined in the model's own file); `rewrites` adds those no rule derives (a fused weight's unfused
+    leaves: which columns read the attention, which rows are which projection, are the family's data); `fields` are
+    the data (variants, sources, test configs, example inputs, replicated Linears). Its plans are derived from the
+    unfused modules and its all-reduce count is read off them."""
     rewrites = tuple(r for r in (attention_rewrite(cls, processors or (
         () if hasattr(cls, "_available_processors") else model_processors(model_class))) for cls in attention)
-        if r is not None)
+        if r is not None) + tuple(rewrites)
     holder: list[Family] = []
     family = Family(name=name, model_class=model_class, rewrites=rewrites,
                     count_all_reduces=lambda config: derived_all_reduces(holder[0], config), **fields)
