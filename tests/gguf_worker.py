@@ -41,6 +41,11 @@ def expected_bytes(whole, sharded, world: int) -> int:
     return total + sum(b.nbytes for b in whole.buffers())
 
 
+def gguf_bytes(model) -> int:
+    """The GGUF bytes this rank holds (its cut of each quantized weight)."""
+    return sum(_local(p).nbytes for p in model.parameters() if isinstance(p, GGUFWeight))
+
+
 def run(rank: int, world: int, folder: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     kw = example_inputs(GGUF_CONFIG, batch=2, image_tokens=10, text_tokens=6, seed=0)
@@ -58,6 +63,8 @@ def run(rank: int, world: int, folder: str) -> dict:
         row["tp"] = rel_err(_forward(unfused, kw), expected)
         row["tp_bytes"] = held_bytes(unfused)
         row["tp_expected_bytes"] = expected_bytes(whole, unfused, world)
+        row["whole_gguf_bytes"] = gguf_bytes(whole)
+        row["tp_gguf_bytes"] = gguf_bytes(unfused)
         row["tp_sharded_gguf"] = sum(isinstance(p, GGUFWeight) and isinstance(p.qdata, DTensor)
                                      and p.qdata.placements[0].is_shard() for p in unfused.parameters())
         loaded, read = _load_counting_reads(path, mesh)

@@ -142,6 +142,21 @@ class UnfusedGGUFForward(unittest.TestCase):
         kw = example_inputs(GGUF_CONFIG, batch=1, image_tokens=4, text_tokens=3)
         self.assertEqual(model(**kw, return_dict=False)[0].shape, kw["hidden_states"].shape)
 
+    def test_fuse_joins_the_bytes_back(self):
+        model = load_gguf(Path(folder()) / "Q4_K" / "model.gguf")
+        stored = {n: p.as_tensor().clone() for n, p in model.named_parameters() if hasattr(p, "as_tensor")}
+        kw = example_inputs(GGUF_CONFIG, batch=1, image_tokens=4, text_tokens=3)
+        with torch.no_grad():
+            expected = model(**kw, return_dict=False)[0]
+        surgery.fuse(surgery.unfuse(model))
+        self.assertGreater(len(stored), 0)
+        for name, data in stored.items():
+            weight = model.get_parameter(name)
+            self.assertIsInstance(weight, GGUFWeight, name)
+            self.assertTrue(torch.equal(weight.qdata, data), name)
+        with torch.no_grad():
+            self.assertTrue(torch.equal(model(**kw, return_dict=False)[0], expected))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -29,24 +29,30 @@ from surgery.core.errors import SurgeryError
 aten = torch.ops.aten
 
 
+def _gguf():
+    """The `gguf` package and diffusers' GGUF support (which needs it)."""
+    try:
+        import gguf  # optional: GGUF checkpoints only
+        from diffusers.quantizers.gguf import utils  # imports gguf itself
+    except ImportError as error:
+        raise SurgeryError(f"GGUF checkpoints need the gguf package ({error}): pip install gguf") from None
+    return gguf, utils
+
+
 def block_layout(ggml_type: int) -> tuple[int, int]:
     """(columns per block, bytes per block) of a GGML quantization type."""
-    import gguf
-
+    gguf, _ = _gguf()
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
 
 
 def type_name(ggml_type: int) -> str:
-    import gguf
-
-    return gguf.GGMLQuantizationType(ggml_type).name
+    return _gguf()[0].GGMLQuantizationType(ggml_type).name
 
 
 def _dequantize(qdata: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:
     """diffusers' own dequantization of GGUF bytes (`rows x bytes`), cast to `dtype` as `GGUFLinear` does."""
-    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
-
-    return dequantize_gguf_tensor(GGUFParameter(qdata.contiguous(), quant_type=ggml_type)).to(dtype)
+    utils = _gguf()[1]
+    return utils.dequantize_gguf_tensor(utils.GGUFParameter(qdata.contiguous(), quant_type=ggml_type)).to(dtype)
 
 
 class GGUFWeight(torch.Tensor):
@@ -189,7 +195,7 @@ def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     bytes (no copy; the same dequantization and product). Returns what `restore_gguf` puts back (the verbs do when
     they refuse, so a refused call leaves the model as it was); empty for a model without GGUF Linears."""
     try:
-        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
+        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # needs the optional gguf package
     except ImportError:  # no gguf package: no model holds GGUF Linears
         return []
     swaps = []

@@ -569,7 +569,7 @@ def _release_move(move: _Move, released: list[tuple[torch.Tensor, Callable[[], t
     The old tensor objects stay (a rollback puts back the very same objects); only their storage goes.
     """
     for olds, news, copied in move.quantities:
-        if not copied:
+        if not copied or any(isinstance(t, GGUFWeight) for t in olds):  # frozen GGUF bytes: nothing else holds them
             continue
         dim = move.group[0].dim
         if move.unfusing:

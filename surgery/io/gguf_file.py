@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
 from surgery.core.gguf import block_layout, type_name
@@ -51,8 +52,10 @@ class GGUFFile:
     """The tensors of one .gguf file (its header parsed by the `gguf` package) and reads of parts of them."""
 
     def __init__(self, path: str | os.PathLike):
-        from gguf import GGUFReader
-
+        try:
+            from gguf import GGUFReader  # optional: GGUF checkpoints only
+        except ImportError as error:
+            raise SurgeryError(f"'{path}' is a GGUF file; reading it needs the gguf package ({error}).") from None
         self.path = Path(path)
         try:
             reader = GGUFReader(self.path)  # maps the file; only its header is read here
@@ -107,8 +110,6 @@ def row_sources(model: nn.Module, file: GGUFFile) -> dict[str, tuple[str, torch.
     """For each of `model`'s (fused) parameters: (the file's tensor, which of its rows, in order). A file in diffusers'
     names maps as it is; one in the original layout goes through diffusers' single-file conversion for the model's
     class, applied to each tensor's row numbers."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     rows = {name: torch.arange(t.shape[0]) for name, t in file.tensors.items()}
     origin = {name: name for name in file.tensors}
