@@ -16,7 +16,7 @@ from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from surgery.core.errors import SurgeryError
 from surgery.core.gguf import GGUFWeight, check_columns, type_name
-from surgery.io.gguf_file import GGUFFile, row_sources
+from surgery.io.sliced_files import GGUFFile, row_sources
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
 from surgery.core.state_dict import weight_slices

@@ -1,4 +1,5 @@
-"""A GGUF checkpoint read a slice at a time: each rank reads only the byte ranges of its rows and block columns.
+"""Single-file checkpoints read a slice at a time (GGUF; safetensors with fp8 weights and scales): each rank reads only
+the byte ranges of its rows and (block) columns, with one `pread` each, so the bytes read are the bytes held.
 
 A GGUF tensor is stored row after row (GGML's `ne[0]` is the row length); a quantized row is whole blocks of
 `block` columns, `block_bytes` bytes each. So rows `r0..r1`, columns `c0..c1` (block boundaries) are, per row, the
@@ -10,31 +11,36 @@ the file or a swapped shift/scale reads the very rows diffusers would have put t
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import block_layout, type_name
+from surgery.core.gguf import block_layout
 
-_PLAIN = {0: np.float32, 1: np.float16}  # GGML F32, F16: what diffusers loads as plain tensors
+_GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
+_SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+                "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @dataclass(frozen=True)
 class StoredTensor:
     name: str
-    ggml_type: int
     shape: tuple[int, ...]  # torch order: (rows, columns) or (elements,)
     offset: int  # of its first byte in the file
+    dtype: torch.dtype | None  # its values' dtype; None: GGUF-quantized bytes
+    ggml_type: int | None = None
 
     @property
     def quantized(self) -> bool:
-        return self.ggml_type not in _PLAIN
+        """GGUF-quantized: its rows are blocks of bytes."""
+        return self.dtype is None
 
     @property
     def row_bytes(self) -> int:
@@ -43,33 +49,18 @@ class StoredTensor:
 
     def column_bytes(self, column: int) -> int:
         if not self.quantized:
-            return column * np.dtype(_PLAIN[self.ggml_type]).itemsize
+            return column * self.dtype.itemsize
         block, block_bytes = block_layout(self.ggml_type)
         return column // block * block_bytes
 
 
-class GGUFFile:
-    """The tensors of one .gguf file (its header parsed by the `gguf` package) and reads of parts of them."""
+class SlicedFile:
+    """Reads of row/column parts of a file's tensors; `tensors` is filled by the format's reader."""
 
-    def __init__(self, path: str | os.PathLike):
-        try:
-            from gguf import GGUFReader  # optional: GGUF checkpoints only
-        except ImportError as error:
-            raise SurgeryError(f"'{path}' is a GGUF file; reading it needs the gguf package ({error}).") from None
-        self.path = Path(path)
-        try:
-            reader = GGUFReader(self.path)  # maps the file; only its header is read here
-        except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds on a bad file
-            raise SurgeryError(f"'{self.path}' is not a readable GGUF file ({error}).") from None
-        self.tensors = {
-            t.name: StoredTensor(t.name, int(t.tensor_type), tuple(int(n) for n in reversed(t.shape)),
-                                 int(t.data_offset))
-            for t in reader.tensors
-        }
-        del reader
-        self._fd = os.open(self.path, os.O_RDONLY)
+    path: Path
+    tensors: dict[str, StoredTensor]
 
-    def __enter__(self) -> "GGUFFile":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -83,7 +74,8 @@ class GGUFFile:
 
     def read(self, name: str, rows: list[int], columns: slice | None) -> torch.Tensor:
         """Rows `rows` (in that order) and `columns` of tensor `name`: uint8 GGUF bytes (rows x bytes) for a
-        quantized tensor, else its values. Columns of a quantized tensor must start and end on a block boundary."""
+        GGUF-quantized tensor, else its values. Columns of a quantized tensor must start and end on a block
+        boundary."""
         t = self.tensors[name]
         if len(t.shape) == 1:  # one element per row
             start, stop = 0, 1
@@ -101,18 +93,65 @@ class GGUFFile:
                     j += 1
             chunks.append(self._pread((j - i - 1) * t.row_bytes + (b - a), t.offset + rows[i] * t.row_bytes + a))
             i = j
-        data = np.frombuffer(b"".join(chunks), dtype=np.uint8 if t.quantized else _PLAIN[t.ggml_type])
-        shape = (len(rows), (b - a) if t.quantized else stop - start) if len(t.shape) > 1 else (len(rows),)
-        return torch.from_numpy(data.copy()).reshape(shape)
+        data = torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+        if len(t.shape) == 1:
+            return data.view(t.dtype) if t.dtype is not None else data
+        data = data.reshape(len(rows), b - a)
+        return data if t.quantized else data.view(t.dtype)
 
 
-def row_sources(model: nn.Module, file: GGUFFile) -> dict[str, tuple[str, torch.Tensor]]:
+class SafetensorsFile(SlicedFile):
+    """The tensors of one .safetensors file (its JSON header) and reads of parts of them."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+        except (OSError, ValueError) as error:
+            raise SurgeryError(f"'{self.path}' is not a readable safetensors file ({error}).") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.tensors = {}
+        for name, entry in header.items():
+            dtype = _SAFETENSORS.get(entry["dtype"])
+            if dtype is None:
+                raise SurgeryError(f"'{self.path}': tensor {name!r} has dtype {entry['dtype']}, which is not read here.")
+            self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), 8 + size + entry["data_offsets"][0], dtype)
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+
+class GGUFFile(SlicedFile):
+    """The tensors of one .gguf file (its header parsed by the `gguf` package) and reads of parts of them."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            from gguf import GGUFReader  # optional: GGUF checkpoints only
+        except ImportError as error:
+            raise SurgeryError(f"'{path}' is a GGUF file; reading it needs the gguf package ({error}).") from None
+        try:
+            reader = GGUFReader(self.path)  # maps the file; only its header is read here
+        except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds on a bad file
+            raise SurgeryError(f"'{self.path}' is not a readable GGUF file ({error}).") from None
+        self.tensors = {
+            t.name: StoredTensor(t.name, tuple(int(n) for n in reversed(t.shape)), int(t.data_offset),
+                                 _GGML_PLAIN.get(int(t.tensor_type)), int(t.tensor_type))
+            for t in reader.tensors
+        }
+        del reader
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+
+def row_sources(model: nn.Module, file: SlicedFile, names: list[str] | None = None
+                ) -> dict[str, tuple[str, torch.Tensor]]:
     """For each of `model`'s (fused) parameters: (the file's tensor, which of its rows, in order). A file in diffusers'
     names maps as it is; one in the original layout goes through diffusers' single-file conversion for the model's
     class, applied to each tensor's row numbers."""
     expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    rows = {name: torch.arange(t.shape[0]) for name, t in file.tensors.items()}
-    origin = {name: name for name in file.tensors}
+    names = list(file.tensors) if names is None else names
+    rows = {name: torch.arange(file.tensors[name].shape[0]) for name in names}
+    origin = {name: name for name in names}
     if not set(rows) <= set(expected):
         entry = SINGLE_FILE_LOADABLE_CLASSES.get(type(model).__name__)
         if entry is None:
@@ -121,7 +160,6 @@ def row_sources(model: nn.Module, file: GGUFFile) -> dict[str, tuple[str, torch.
                 f"({sorted(set(rows) - set(expected))[:3]}) and {type(model).__name__} has no single-file conversion."
             )
         # each row number tagged with its tensor (high bits), so the converted rows say where they came from
-        names = list(file.tensors)
         tagged = {name: rows[name] + (index << 32) for index, name in enumerate(names)}
         converted = entry["checkpoint_mapping_fn"](config=model.config, checkpoint=dict(tagged))
         rows = {}
@@ -146,7 +184,7 @@ def row_sources(model: nn.Module, file: GGUFFile) -> dict[str, tuple[str, torch.
         stored = file.tensors[origin[key]]
         if (len(index), *stored.shape[1:]) != expected[key]:
             raise SurgeryError(
-                f"load_tensor_parallel: '{file.path}': '{stored.name}' ({type_name(stored.ggml_type)}, shape "
+                f"load_tensor_parallel: '{file.path}': '{stored.name}' (shape "
                 f"{stored.shape}) gives '{key}' shape {(len(index), *stored.shape[1:])}; the model expects "
                 f"{expected[key]}."
             )
