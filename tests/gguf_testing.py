@@ -150,3 +150,31 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
 GGUF_CONFIG = dict(num_layers=1, num_single_layers=1, num_attention_heads=4, attention_head_dim=128,
                    joint_attention_dim=256, mlp_ratio=3.0, in_channels=16, timestep_guidance_channels=32,
                    guidance_embeds=True, axes_dims_rope=(32, 32, 32, 32))
+
+
+def write_fp8(model, path: Path) -> Path:
+    """`model` as BFL's fp8r single file (safetensors): each block Linear's `weight` float8_e4m3fn with its per-row
+    `weight_scale` (diffusers' own `quantize_fp8r`), the rest F32; config.json beside it."""
+    from diffusers.quantizers.bfl.utils import quantize_fp8r
+    from safetensors.torch import save_file
+
+    state = bfl_state_dict(model)
+    out = {}
+    for name, value in state.items():
+        if re.match(r"^(double|single)_blocks\.", name) and name.endswith(".weight") and value.ndim == 2:
+            out[name], out[f"{name}_scale"] = quantize_fp8r(value)
+        else:
+            out[name] = value
+    save_file(out, str(path))
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    (path.parent / "config.json").write_text(json.dumps({"_class_name": type(model).__name__, **config}))
+    return path
+
+
+def load_fp8(path: Path, dtype: torch.dtype = torch.float32):
+    """The fp8r checkpoint loaded whole by diffusers (its `BFLFP8RLinear`s)."""
+    from diffusers import BFLQuantizationConfig, Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel.from_single_file(
+        str(path), config=str(path.parent), quantization_config=BFLQuantizationConfig(compute_dtype=dtype),
+        torch_dtype=dtype)

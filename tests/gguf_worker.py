@@ -19,7 +19,7 @@ from surgery.core.gguf import GGUFWeight  # noqa: E402
 from surgery.parallel.quantized import held_bytes  # noqa: E402
 from surgery.testing import rel_err  # noqa: E402
 from surgery_rewrites.flux2 import example_inputs  # noqa: E402
-from gguf_testing import GGUF_CONFIG, load_gguf  # noqa: E402
+from gguf_testing import GGUF_CONFIG, load_fp8, load_gguf  # noqa: E402
 
 KINDS = ("Q8_0", "Q4_0", "Q4_K")
 
@@ -74,7 +74,28 @@ def run(rank: int, world: int, folder: str) -> dict:
         row["loaded_same_as_tp"] = _same_local(loaded, unfused)
         row["file_bytes"] = path.stat().st_size
         result[kind] = row
+    result["fp8"] = fp8(Path(folder) / "fp8" / "model.safetensors", mesh, kw)
     return result
+
+
+def fp8(path: Path, mesh, kw) -> dict:
+    """BFL's fp8r single file: diffusers' `BFLFP8RLinear` model run whole vs each rank's torchao Float8 shards."""
+    from diffusers.quantizers.bfl.utils import BFLFP8RLinear
+
+    stock = load_fp8(path)
+    expected = _forward(stock, kw)
+    row = {"whole_vs_float": rel_err(expected, _forward(load_gguf(path.parent.parent / "F32" / "model.gguf"), kw))}
+    row["whole_fp8_bytes"] = sum(m.weight.nbytes for m in stock.modules() if isinstance(m, BFLFP8RLinear))
+    loaded, read = _load_counting_reads(path, mesh)
+    row["loaded"] = rel_err(_forward(loaded, kw), expected)
+    row["loaded_bytes"] = held_bytes(loaded)
+    row["loaded_read"] = read
+    row["file_bytes"] = path.stat().st_size
+    float8 = [p for p in loaded.parameters() if type(p).__name__ == "Float8Tensor"]
+    row["float8_weights"] = len(float8)
+    row["fp8_bytes"] = sum(_local(p.qdata).nbytes for p in float8)
+    row["sharded_fp8"] = sum(isinstance(p.qdata, DTensor) and p.qdata.placements[0].is_shard() for p in float8)
+    return row
 
 
 def _load_counting_reads(path: Path, mesh):

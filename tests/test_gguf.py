@@ -15,7 +15,7 @@ from surgery.core.gguf import GGUFWeight
 from surgery.parallel.plans import checked_plan
 from surgery.testing import FP32_TOL, run_on_cpu_ranks
 from surgery_rewrites.flux2 import example_inputs, seeded_model
-from gguf_testing import GGUF_CONFIG, load_gguf, write_gguf
+from gguf_testing import GGUF_CONFIG, load_gguf, write_fp8, write_gguf
 import gguf_worker
 
 WORLD = 2
@@ -28,6 +28,8 @@ def folder() -> str:
     for kind in ("F32", *gguf_worker.KINDS):
         (root / kind).mkdir()
         write_gguf(model, root / kind / "model.gguf", kind)
+    (root / "fp8").mkdir()
+    write_fp8(model, root / "fp8" / "model.safetensors")
     return str(root)
 
 
@@ -96,6 +98,31 @@ class LoadedSharded(unittest.TestCase):
         # than its cut (a whole tensor, a row's other blocks) reads more than it holds
         for result in results():
             row = result[kind]
+            self.assertEqual(row["loaded_read"], row["loaded_bytes"])
+            self.assertLess(row["loaded_read"], row["file_bytes"])
+
+
+class LoadedFp8WithScales(unittest.TestCase):
+    """BFL's fp8r single file (float8 weights, per-row `weight_scale`) read per rank into torchao's Float8 layout,
+    against diffusers' `BFLQuantizationConfig` model run whole."""
+
+    def test_the_reference_is_quantized(self):
+        for result in results():
+            self.assertGreater(result["fp8"]["whole_vs_float"], 100 * FP32_TOL)
+
+    def test_equals_whole_fp8_model(self):
+        for rank, result in enumerate(results()):
+            self.assertLessEqual(result["fp8"]["loaded"], FP32_TOL, f"rank {rank}")
+
+    def test_each_rank_holds_half_the_fp8_bytes(self):
+        for result in results():
+            row = result["fp8"]
+            self.assertEqual((row["float8_weights"], row["sharded_fp8"]), (21, 21))
+            self.assertEqual(2 * row["fp8_bytes"], row["whole_fp8_bytes"])
+
+    def test_bytes_read_equal_bytes_held(self):
+        for result in results():
+            row = result["fp8"]
             self.assertEqual(row["loaded_read"], row["loaded_bytes"])
             self.assertLess(row["loaded_read"], row["file_bytes"])
 

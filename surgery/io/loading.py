@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from tqdm.auto import tqdm
 
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from surgery.core.errors import SurgeryError
 from surgery.core.gguf import GGUFWeight, check_columns, type_name
-from surgery.io.sliced_files import GGUFFile, row_sources
+from surgery.io.sliced_files import GGUFFile, SafetensorsFile, row_sources
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
 from surgery.core.state_dict import weight_slices
@@ -151,9 +151,9 @@ def _load_tensor_parallel(
 ) -> tuple[nn.Module, list]:
     """`load_tensor_parallel` on this rank alone (no collective): the model and its planned modules."""
 
-    if str(checkpoint).endswith(".gguf"):
-        return _load_gguf(model, Path(checkpoint), mesh, dtype=dtype, progress=progress, plan=plan,
-                          filter_fn=filter_fn)
+    if str(checkpoint).endswith((".gguf", ".safetensors")):
+        return _load_single_file(model, Path(checkpoint), mesh, dtype=dtype, progress=progress, plan=plan,
+                                 filter_fn=filter_fn)
     folder = resolve_checkpoint(os.path.join(checkpoint, subfolder) if subfolder else checkpoint, cache_dir)
     model = _on_meta(model, folder)
     unfuse(model)
@@ -194,22 +194,39 @@ def _finish(model: nn.Module, planned: list, mesh: DeviceMesh) -> tuple[nn.Modul
 
 
 
-def _load_gguf(model: type | nn.Module | None, path: Path, mesh: DeviceMesh, *, dtype: torch.dtype | None,
-               progress: bool, plan: dict[str, ParallelStyle] | None, filter_fn: FilterFn | None
-               ) -> tuple[nn.Module, list]:
-    """`load_tensor_parallel` of a .gguf file (config.json beside it, or a model built on meta): each rank reads only
-    the GGUF bytes of its rows and block columns of each quantized weight, held as a `GGUFWeight` around a DTensor
-    (`surgery.core.gguf`), and its slices of the plain (F32 / F16) tensors, cast to `dtype` (default float32, the
-    dtype the GGUF weights dequantize to too). Equals `tensor_parallel(unfuse(from_single_file(path,
-    quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))), mesh)`: the same bytes on each rank."""
+def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMesh, *, dtype: torch.dtype | None,
+                      progress: bool, plan: dict[str, ParallelStyle] | None, filter_fn: FilterFn | None
+                      ) -> tuple[nn.Module, list]:
+    """`load_tensor_parallel` of one .gguf or .safetensors file (config.json beside it, or a model built on meta), in
+    diffusers' names or the original ones that diffusers' single-file conversion maps. Each rank reads only the bytes
+    of its rows and columns of each tensor:
+    - GGUF-quantized weights stay GGUF bytes, held as a `GGUFWeight` around a DTensor (`surgery.core.gguf`); equals
+      `tensor_parallel(unfuse(from_single_file(path, quantization_config=GGUFQuantizationConfig(compute_dtype=
+      dtype))), mesh)`, the same bytes on each rank;
+    - float8 weights with a per-row `weight_scale` (BFL's fp8r layout, what diffusers' `BFLQuantizationConfig` reads)
+      become torchao `Float8Tensor`s (weight-only, per-row scale) around DTensors, the layout `tensor_parallel` gives a
+      torchao-quantized model: each rank reads its rows and their scales (colwise) or its columns and every row's scale
+      (rowwise). An `input_scale` is not read (diffusers' fp8r does not use it either);
+    - every other tensor is read as its slice and cast to `dtype` (default float32, the dtype quantized weights
+      dequantize to as well)."""
     if not path.is_file():
         raise SurgeryError(f"load_tensor_parallel: '{path}' is not a file.")
     model = _on_meta(model, path.parent)
     compute = dtype or torch.float32
     rank, world = mesh.get_local_rank(), mesh.size()
     device = _device(mesh)
-    with GGUFFile(path) as file:
-        rows_of = row_sources(model, file)  # the fused model's names
+    opened = GGUFFile(path) if path.suffix == ".gguf" else SafetensorsFile(path)
+    with opened as file:
+        scales = {n[: -len("_scale")]: n for n in file.tensors if n.endswith(".weight_scale")}
+        skipped = {n for n in file.tensors if n.endswith((".input_scale", ".weight_scale_2"))}
+        if any(n.endswith(".weight_scale_2") for n in skipped):
+            raise SurgeryError(
+                f"load_tensor_parallel: '{path}' holds NVFP4 weights ('weight_scale_2'); only fp8 weights with per-row "
+                "scales (and GGUF) are read per rank. Load it with from_single_file(quantization_config="
+                "BFLQuantizationConfig(...)) on each rank."
+            )
+        names = [n for n in file.tensors if n not in skipped and n not in scales.values()]
+        rows_of = row_sources(model, file, names)  # the fused model's names
         unfuse(model)
         planned = checked_plan(model, plan, filter_fn, world)
         placements = _placements(model, planned)
@@ -222,21 +239,61 @@ def _load_gguf(model: type | nn.Module | None, path: Path, mesh: DeviceMesh, *, 
             stored = file.tensors[stored_name]
             index = _source_index(param.shape, source, placement, rank, world)
             columns = slice(*index[1].indices(stored.shape[-1])[:2]) if param.ndim > 1 else None
+            scale = scales.get(stored_name)
             if stored.quantized:
                 _check_gguf_read(model, name, param, stored, columns)
-            reads.append((name, param, placement, stored, rows[index[0]].tolist(), columns))
-        for name, param, placement, stored, rows, columns in tqdm(
+            elif stored.dtype.itemsize == 1 and stored.dtype.is_floating_point:
+                _check_fp8_read(model, name, stored, scale and file.tensors[scale], path)
+            reads.append((name, param, placement, stored, scale, rows[index[0]].tolist(), columns))
+        for name, param, placement, stored, scale, rows, columns in tqdm(
                 reads, desc=f"loading {path.name} ({world} ranks)", disable=not progress or rank != 0):
             local = file.read(stored.name, rows, columns).to(device)
-            if not stored.quantized:
-                local = local.to(compute)
-            if placement is not None:
-                local = DTensor.from_local(local, mesh, (placement,), run_check=False)
             if stored.quantized:
-                local = GGUFWeight(local, stored.ggml_type, param.shape, compute)
-            _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad and not stored.quantized),
-                 aliases)
+                local = GGUFWeight(_placed(local, placement, mesh), stored.ggml_type, param.shape, compute)
+            elif scale is not None:
+                # per-row scales follow the rows: cut with them (colwise), whole on every rank (rowwise)
+                row_scale = file.read(scale, rows, None).to(device).float().reshape(-1, 1)
+                scale_placement = placement if isinstance(placement, Shard) and placement.dim == 0 else None
+                if placement is not None and scale_placement is None:
+                    scale_placement = Replicate()
+                local = _float8(_placed(local, placement, mesh), _placed(row_scale, scale_placement, mesh),
+                                param.shape, compute)
+            else:
+                local = _placed(local.to(compute), placement, mesh)
+            plain = not stored.quantized and scale is None
+            _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad and plain), aliases)
     return _finish(model, planned, mesh)
+
+
+def _placed(local: torch.Tensor, placement: Placement | None, mesh: DeviceMesh) -> torch.Tensor:
+    return local if placement is None else DTensor.from_local(local, mesh, (placement,), run_check=False)
+
+
+def _float8(qdata: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's weight-only float8 tensor with a per-row scale (what `Float8WeightOnlyConfig()` builds) over
+    `qdata` and `scale` (plain, or DTensors of this rank's cut)."""
+    try:
+        from torchao.quantization import Float8Tensor  # optional: fp8 checkpoints only
+    except ImportError as error:
+        raise SurgeryError(f"load_tensor_parallel: fp8 weights with scales load as torchao tensors ({error}).") from None
+    return Float8Tensor(qdata, scale, block_size=[1, shape[1]], dtype=dtype)
+
+
+def _check_fp8_read(model: nn.Module, name: str, stored, scale, path: Path) -> None:
+    """An fp8 tensor loads only as a Linear's weight with its per-row scale (one float per output row)."""
+    owner, _, leaf = name.rpartition(".")
+    if type(model.get_submodule(owner)) is not nn.Linear or leaf != "weight" or scale is None:
+        raise SurgeryError(
+            f"load_tensor_parallel: '{path}': '{stored.name}' is {stored.dtype} and would load into '{name}'"
+            f"{'' if scale else ' without a weight_scale'}; only Linear weights with a per-row 'weight_scale' load "
+            "as fp8."
+        )
+    if scale.shape != (stored.shape[0],):
+        raise SurgeryError(
+            f"load_tensor_parallel: '{path}': '{scale.name}' has shape {scale.shape}; a per-row scale of "
+            f"'{stored.name}' {stored.shape} has shape {(stored.shape[0],)} (BFL's fp8r layout). Other scale layouts "
+            "are not read per rank."
+        )
 
 
 def _check_gguf_read(model: nn.Module, name: str, param: torch.Tensor, stored, columns: slice | None) -> None:
