@@ -95,6 +95,11 @@ def load_tensor_parallel(
     class or None (the class in its config.json's `architectures`), its `model.safetensors` (sharded with
     `model.safetensors.index.json` too), sharded with transformers' own plan or a registered one.
 
+    A single `.gguf` or `.safetensors` file (config.json beside it) loads per rank too, in diffusers' names or the
+    original ones diffusers' single-file conversion maps: GGUF-quantized weights stay GGUF bytes (`GGUFWeight`),
+    float8 weights with per-row `weight_scale`s (BFL's fp8r) become torchao `Float8Tensor`s; each rank reads only the
+    bytes it holds (`_load_single_file`).
+
     `plan` and `filter_fn` are `tensor_parallel`'s: a literal plan instead of the registered ones, and the planned
     modules to keep (the others are read whole); the result equals `tensor_parallel(unfuse(fully_loaded), mesh, plan,
     filter_fn)`.
@@ -299,6 +304,13 @@ def _check_fp8_read(model: nn.Module, name: str, stored, scale, path: Path) -> N
 def _check_gguf_read(model: nn.Module, name: str, param: torch.Tensor, stored, columns: slice | None) -> None:
     """A GGUF-quantized tensor loads only as a Linear's weight, cut on block boundaries."""
     owner, _, leaf = name.rpartition(".")
+    keep = [m for m in getattr(model, "_keep_in_fp32_modules", None) or [] if m in name.split(".")]
+    if keep:  # diffusers dequantizes these to float32 when it loads the file
+        raise SurgeryError(
+            f"load_tensor_parallel: '{stored.name}' is GGUF {type_name(stored.ggml_type)} and loads into '{name}', "
+            f"which {type(model).__name__} keeps in float32 ('{keep[0]}'); per-rank reading keeps GGUF bytes. Load "
+            "it with from_single_file, then surgery.unfuse and surgery.tensor_parallel."
+        )
     if type(model.get_submodule(owner)) is not nn.Linear or leaf != "weight":
         raise SurgeryError(
             f"load_tensor_parallel: '{stored.name}' is GGUF {type_name(stored.ggml_type)} and would load into "
