@@ -2,6 +2,7 @@
 diffusers; cuts inside a GGUF block refused with the numbers."""
 
 import functools
+import os
 import tempfile
 import unittest
 from pathlib import Path
@@ -12,6 +13,7 @@ from parameterized import parameterized
 import surgery
 from surgery.core.errors import SurgeryError
 from surgery.core.gguf import GGUFWeight
+from surgery.io.loading import _load_single_file
 from surgery.parallel.plans import checked_plan
 from surgery.testing import FP32_TOL, run_on_cpu_ranks
 from surgery_rewrites.flux2 import example_inputs, seeded_model
@@ -154,6 +156,30 @@ class CutsInsideABlock(unittest.TestCase):
         for part in ("Q4_K", "blocks of 256", "512 columns into shards of 128", "mesh of 4"):
             self.assertIn(part, message)
         checked_plan(model, None, None, 2)
+
+    def test_loading_refuses_a_rowwise_cut_inside_a_q4_k_block_before_reading(self):
+        class FourRanks:  # what the loader asks of a mesh before its first read or collective
+            device_type = "cpu"
+
+            def get_local_rank(self):
+                return 0
+
+            def size(self):
+                return 4
+
+        reads = []
+        real = os.pread
+        os.pread = lambda *a: reads.append(a) or real(*a)
+        try:
+            with self.assertRaises(SurgeryError) as caught:
+                _load_single_file(None, Path(folder()) / "Q4_K" / "model.gguf", FourRanks(), dtype=None,
+                                  progress=False, plan=None, filter_fn=None)
+        finally:
+            os.pread = real
+        message = str(caught.exception)
+        for part in ("transformer_blocks.0.attn.to_out.0.weight", "Q4_K", "blocks of 256", "column 128"):
+            self.assertIn(part, message)
+        self.assertEqual(reads, [])
 
 
 class UnfusedGGUFForward(unittest.TestCase):
