@@ -1,7 +1,7 @@
 """GGUF FLUX.2 checkpoints for the tests, written from a seeded model with the `gguf` package's writer in the layout
 diffusers' `Flux2Transformer2DModel.from_single_file` reads (BFL's original names, q/k/v fused, `final_layer`'s
-shift/scale order), the block Linears quantized and the rest F32 (as published GGUF checkpoints keep the small
-tensors)."""
+shift/scale order), the Linears quantized where their rows are whole blocks and the rest F32 (as GGUF converters
+keep norms and biases)."""
 
 from __future__ import annotations
 
@@ -103,17 +103,17 @@ def quantize(weights: np.ndarray, kind: str) -> tuple[np.ndarray, object]:
 
 
 def quantized_names(state: dict[str, torch.Tensor], kind: str, only: str | None = None) -> list[str]:
-    """The block Linears' weights (`only`: a regex they must match too), which published GGUF files quantize."""
+    """Every Linear weight whose rows are whole blocks (`only`: a regex they must match too), as GGUF converters
+    quantize (and `surgery plan --quant` counts); the rest (norms, biases, narrow inputs) stays F32."""
     import gguf
 
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
     return [k for k, v in state.items()
-            if re.match(r"^(double|single)_blocks\.", k) and k.endswith(".weight") and v.ndim == 2
-            and v.shape[1] % block == 0 and (only is None or re.search(only, k))]
+            if k.endswith(".weight") and v.ndim == 2 and v.shape[1] % block == 0 and (only is None or re.search(only, k))]
 
 
 def write_gguf(model, path: Path, kind: str, only: str | None = None) -> Path:
-    """`model` as a GGUF FLUX.2 checkpoint with its block Linears quantized to `kind` (Q8_0, Q4_0, Q4_K, F32), and a
+    """`model` as a GGUF FLUX.2 checkpoint with its Linears quantized to `kind` (Q8_0, Q4_0, Q4_K, F32), and a
     config.json beside it (`path.parent`) for `from_single_file(config=...)`."""
     import gguf
 
@@ -153,7 +153,7 @@ GGUF_CONFIG = dict(num_layers=1, num_single_layers=1, num_attention_heads=4, att
 
 
 def write_fp8(model, path: Path) -> Path:
-    """`model` as BFL's fp8r single file (safetensors): each block Linear's `weight` float8_e4m3fn with its per-row
+    """`model` as BFL's fp8r single file (safetensors): each Linear's `weight` float8_e4m3fn with its per-row
     `weight_scale` (diffusers' own `quantize_fp8r`), the rest F32; config.json beside it."""
     from diffusers.quantizers.bfl.utils import quantize_fp8r
     from safetensors.torch import save_file
@@ -161,7 +161,7 @@ def write_fp8(model, path: Path) -> Path:
     state = bfl_state_dict(model)
     out = {}
     for name, value in state.items():
-        if re.match(r"^(double|single)_blocks\.", name) and name.endswith(".weight") and value.ndim == 2:
+        if name.endswith(".weight") and value.ndim == 2:
             out[name], out[f"{name}_scale"] = quantize_fp8r(value)
         else:
             out[name] = value

@@ -18,7 +18,7 @@ import surgery  # noqa: E402
 from surgery.core.gguf import GGUFWeight  # noqa: E402
 from surgery.parallel.quantized import held_bytes  # noqa: E402
 from surgery.testing import rel_err  # noqa: E402
-from surgery_rewrites.flux2 import example_inputs  # noqa: E402
+from surgery_rewrites.flux2 import FAMILY, example_inputs  # noqa: E402
 from gguf_testing import GGUF_CONFIG, load_fp8, load_gguf  # noqa: E402
 
 KINDS = ("Q8_0", "Q4_0", "Q4_K")
@@ -73,7 +73,12 @@ def run(rank: int, world: int, folder: str) -> dict:
         row["loaded_read"] = read
         row["loaded_same_as_tp"] = _same_local(loaded, unfused)
         row["file_bytes"] = path.stat().st_size
+        row["gguf_weights"] = sum(isinstance(p, GGUFWeight) for p in loaded.parameters())
         result[kind] = row
+    from surgery.sight.report import quantized_plan
+
+    planned = quantized_plan(dict(GGUF_CONFIG), [world], "q4", family=FAMILY, dtype=torch.float32)
+    result["Q4_K"]["planned_bytes"] = planned["rows"][0]["bytes_per_rank"]
     result["fp8"] = fp8(Path(folder) / "fp8" / "model.safetensors", mesh, kw)
     return result
 
@@ -85,7 +90,11 @@ def fp8(path: Path, mesh, kw) -> dict:
     stock = load_fp8(path)
     expected = _forward(stock, kw)
     row = {"whole_vs_float": rel_err(expected, _forward(load_gguf(path.parent.parent / "F32" / "model.gguf"), kw))}
-    row["whole_fp8_bytes"] = sum(m.weight.nbytes for m in stock.modules() if isinstance(m, BFLFP8RLinear))
+    fp8_linears = [(path, m) for path, m in stock.named_modules() if isinstance(m, BFLFP8RLinear)]
+    row["whole_fp8_bytes"] = sum(m.weight.nbytes for _, m in fp8_linears)
+    # the blocks' Linears are cut (their fp8 values halve), the others (modulation, embedders) stay whole
+    row["expected_fp8_bytes"] = sum(m.weight.nbytes // (mesh.size() if "transformer_blocks." in path else 1)
+                                    for path, m in fp8_linears)
     loaded, read = _load_counting_reads(path, mesh)
     row["loaded"] = rel_err(_forward(loaded, kw), expected)
     row["loaded_bytes"] = held_bytes(loaded)

@@ -76,6 +76,7 @@ class ShardedGGUF(unittest.TestCase):
         for result in results():
             row = result[kind]
             self.assertEqual(row["tp_sharded_gguf"], 21)  # every block Linear of one double and one single block
+            self.assertGreater(row["gguf_weights"], 21)  # and quantized Linears outside the blocks, whole
             self.assertEqual(row["tp_bytes"], row["tp_expected_bytes"])
             self.assertLess(row["tp_bytes"], row["whole_bytes"])
 
@@ -116,17 +117,27 @@ class LoadedFp8WithScales(unittest.TestCase):
         for rank, result in enumerate(results()):
             self.assertLessEqual(result["fp8"]["loaded"], FP32_TOL, f"rank {rank}")
 
-    def test_each_rank_holds_half_the_fp8_bytes(self):
+    def test_each_rank_holds_its_cut_of_the_fp8_bytes(self):
         for result in results():
             row = result["fp8"]
-            self.assertEqual((row["float8_weights"], row["sharded_fp8"]), (21, 21))
-            self.assertEqual(2 * row["fp8_bytes"], row["whole_fp8_bytes"])
+            # every Linear is fp8; the 21 of the blocks are cut, the 11 others (modulation, embedders) stay whole
+            self.assertEqual((row["float8_weights"], row["sharded_fp8"]), (32, 21))
+            self.assertEqual(row["fp8_bytes"], row["expected_fp8_bytes"])
+            self.assertLess(row["fp8_bytes"], row["whole_fp8_bytes"])
 
     def test_bytes_read_equal_bytes_held(self):
         for result in results():
             row = result["fp8"]
             self.assertEqual(row["loaded_read"], row["loaded_bytes"])
             self.assertLess(row["loaded_read"], row["file_bytes"])
+
+
+class Planner(unittest.TestCase):
+    def test_surgery_plan_quant_q4_predicts_the_bytes_each_rank_loads(self):
+        # `surgery plan --quant q4` counts every Linear whose rows are whole 256-column blocks as Q4_K, the rest in
+        # float32: the GGUF file written the same way, loaded per rank, holds exactly that
+        for result in results():
+            self.assertEqual(result["Q4_K"]["planned_bytes"], result["Q4_K"]["loaded_bytes"])
 
 
 class CutsInsideABlock(unittest.TestCase):
