@@ -193,6 +193,18 @@ class CutsInsideABlock(unittest.TestCase):
         self.assertEqual(reads, [])
 
 
+class TestFiles(unittest.TestCase):
+    def test_the_written_layout_is_what_diffusers_reads(self):
+        # the F32 file (BFL's names, fused q/k/v, swapped shift/scale) loads through diffusers' own conversion into
+        # the seeded model bitwise: the quantized files differ from it only by their quantized bytes
+        model = seeded_model(GGUF_CONFIG, 0)
+        loaded = load_gguf(Path(folder()) / "F32" / "model.gguf").state_dict()
+        expected = model.state_dict()
+        self.assertEqual(set(loaded), set(expected))
+        for name, value in expected.items():
+            self.assertTrue(torch.equal(loaded[name], value), name)
+
+
 class UnfusedGGUFForward(unittest.TestCase):
     def test_unfused_parts_hold_byte_slices_of_the_fused_weight(self):
         # rows of GGUF bytes are rows of the weight: q is the first 512 byte rows of to_qkv_mlp_proj, no copy
