@@ -95,9 +95,15 @@ def fp8(path: Path, mesh, kw) -> dict:
     # the blocks' Linears are cut (their fp8 values halve), the others (modulation, embedders) stay whole
     row["expected_fp8_bytes"] = sum(m.weight.nbytes // (mesh.size() if "transformer_blocks." in path else 1)
                                     for path, m in fp8_linears)
+    unfused = surgery.unfuse(load_fp8(path))
+    row["unfused"] = rel_err(_forward(unfused, kw), expected)
+    surgery.tensor_parallel(unfused, mesh)
+    row["tp"] = rel_err(_forward(unfused, kw), expected)
+    row["tp_bytes"] = held_bytes(unfused)
     loaded, read = _load_counting_reads(path, mesh)
     row["loaded"] = rel_err(_forward(loaded, kw), expected)
     row["loaded_bytes"] = held_bytes(loaded)
+    row["loaded_same_as_tp"] = _same_local(loaded, unfused)
     row["loaded_read"] = read
     row["file_bytes"] = path.stat().st_size
     float8 = [p for p in loaded.parameters() if type(p).__name__ == "Float8Tensor"]
@@ -131,8 +137,17 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _locals(t) -> list:
+    """A parameter's local tensors: its shard, or a quantized weight's inner shards (bytes compared as such)."""
+    if type(t).__name__ == "Float8Tensor":
+        return [_local(t.qdata).view(torch.uint8), _local(t.scale)]
+    return [_local(t)]
+
+
 def _same_local(a, b) -> bool:
-    """The two sharded models hold the same local tensors (GGUF bytes and plain values), parameter by parameter."""
+    """The two sharded models hold the same local tensors (GGUF bytes, fp8 values and scales, plain values),
+    parameter by parameter."""
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     return list(pa) == list(pb) and all(
-        type(pa[n]) is type(pb[n]) and torch.equal(_local(pa[n]), _local(pb[n])) for n in pa)
+        type(pa[n]) is type(pb[n]) and all(torch.equal(x, y) for x, y in zip(_locals(pa[n]), _locals(pb[n])))
+        for n in pa)

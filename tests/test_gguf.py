@@ -117,6 +117,17 @@ class LoadedFp8WithScales(unittest.TestCase):
         for rank, result in enumerate(results()):
             self.assertLessEqual(result["fp8"]["loaded"], FP32_TOL, f"rank {rank}")
 
+    def test_diffusers_fp8_model_unfused_and_sharded_equals_it_whole(self):
+        # the BFLFP8RLinears of diffusers' model become torchao Float8Tensors over the same values and scales
+        for rank, result in enumerate(results()):
+            self.assertLessEqual(result["fp8"]["unfused"], FP32_TOL, f"rank {rank}")
+            self.assertLessEqual(result["fp8"]["tp"], FP32_TOL, f"rank {rank}")
+
+    def test_loaded_holds_what_sharding_the_whole_model_holds(self):
+        for result in results():
+            self.assertTrue(result["fp8"]["loaded_same_as_tp"])
+            self.assertEqual(result["fp8"]["loaded_bytes"], result["fp8"]["tp_bytes"])
+
     def test_each_rank_holds_its_cut_of_the_fp8_bytes(self):
         for result in results():
             row = result["fp8"]
@@ -191,6 +202,26 @@ class CutsInsideABlock(unittest.TestCase):
         for part in ("transformer_blocks.0.attn.to_out.0.weight", "Q4_K", "blocks of 256", "column 128"):
             self.assertIn(part, message)
         self.assertEqual(reads, [])
+
+
+class FusedPerRowFloat8(unittest.TestCase):
+    def test_unfuse_slices_a_per_row_float8_model_quantized_fused(self):
+        from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+        model = seeded_model(GGUF_CONFIG, 0)
+        quantize_(model, Float8WeightOnlyConfig())
+        kw = example_inputs(GGUF_CONFIG, batch=1, image_tokens=4, text_tokens=3)
+        with torch.no_grad():
+            expected = model(**kw, return_dict=False)[0]
+        fused = model.single_transformer_blocks[0].attn.to_out.weight
+        surgery.unfuse(model)
+        mlp = model.single_transformer_blocks[0].attn.to_out.mlp_part.weight
+        self.assertEqual(type(mlp).__name__, "Float8Tensor")
+        self.assertTrue(torch.equal(mlp.qdata.view(torch.uint8), fused.qdata[:, 512:].view(torch.uint8)))
+        self.assertTrue(torch.equal(mlp.scale, fused.scale))  # one scale per row: the column parts share it
+        with torch.no_grad():
+            self.assertLessEqual((model(**kw, return_dict=False)[0] - expected).abs().max() / expected.abs().max(),
+                                 FP32_TOL)
 
 
 class TestFiles(unittest.TestCase):

@@ -222,8 +222,58 @@ def restore_gguf(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
         setattr(parent, name, module)
 
 
-def gguf_model(model: nn.Module) -> bool:
-    """A model diffusers loaded with its GGUF quantizer."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    return type(quantizer).__name__ == "GGUFQuantizer"
 
+
+
+def adopt_fp8r(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace each of `model`'s diffusers `BFLFP8RLinear`s (BFL's fp8r: float8 weight, per-row fp32 scale) by a plain
+    `nn.Linear` holding torchao's weight-only `Float8Tensor` over the same values and scales (no copy; the same
+    dequantization, `weight.float() * scale`, then the product): what `Float8WeightOnlyConfig()` builds, which
+    unfusing slices and `tensor_parallel` shards. Returns what `restore_gguf` puts back."""
+    if not any(type(m).__name__ == "BFLFP8RLinear" for m in model.modules()):
+        return []  # torchao is imported only for a model that holds such Linears
+    try:
+        from diffusers.quantizers.bfl.utils import BFLFP8RLinear  # diffusers' BFL quantizer (recent diffusers)
+        from torchao.quantization import Float8Tensor  # optional: torchao's float8 layout
+    except ImportError:  # no such Linears, or nothing to hold them in
+        return []
+    swaps = []
+    for path, module in list(model.named_modules()):
+        if type(module) is not BFLFP8RLinear:
+            continue
+        dtype = module.compute_dtype or torch.float32
+        with torch.device("meta"):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        weight = Float8Tensor(module.weight.detach(), module.weight_scale.detach().float().reshape(-1, 1),
+                              block_size=[1, module.in_features], dtype=dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if module.bias is not None:
+            linear.bias = module.bias
+        linear.train(module.training)
+        owner, _, name = path.rpartition(".")
+        parent = model.get_submodule(owner)
+        setattr(parent, name, linear)
+        swaps.append((parent, name, module))
+    return swaps
+
+
+def adopt_prequantized(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """`adopt_gguf` and `adopt_fp8r`: a pre-quantized model's Linears as plain Linears the verbs can cut."""
+    return adopt_gguf(model) + adopt_fp8r(model)
+
+
+def per_row_float8(tensor: torch.Tensor) -> bool:
+    """torchao's float8 weight with one scale per row: rows slice with their scales, columns under a whole scale."""
+    return (type(tensor).__name__ == "Float8Tensor" and type(tensor).__module__.startswith("torchao")
+            and tensor.ndim == 2 and tuple(tensor.scale.shape) == (tensor.shape[0], 1))
+
+
+def sliceable(tensor: torch.Tensor) -> bool:
+    """A quantized weight `unfuse` slices (GGUF bytes on block boundaries, per-row float8)."""
+    return gguf_weight(tensor) or per_row_float8(tensor)
+
+
+def prequantized_model(model: nn.Module) -> bool:
+    """A model diffusers loaded pre-quantized in a layout whose Linears the verbs cut (GGUF, BFL fp8r)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    return type(quantizer).__name__ in ("GGUFQuantizer", "BFLQuantizer")

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import GGUFWeight, adopt_gguf, check_columns, gguf_weight, restore_gguf
+from surgery.core.gguf import GGUFWeight, adopt_prequantized, check_columns, restore_gguf, sliceable
 from surgery.core.checks import (
     check_hooks,
     check_linear,
@@ -72,7 +72,7 @@ def unfuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     `surgery.core.rewrite.last_report(model)` lists what was rewritten.
     """
     with _collection_paused():
-        adopted = adopt_gguf(model)  # diffusers' GGUFLinears as nn.Linears over the same bytes, which slice by block
+        adopted = adopt_prequantized(model)  # diffusers' GGUF / fp8r Linears as nn.Linears over the same values
         try:
             return _rewrite(model, unfusing=True, optimizers=_optimizers(optimizer))
         except BaseException:
@@ -326,7 +326,7 @@ def _check_sources(module: nn.Module, path: str, rewrite: Rewrite, slices: list[
                 f"{rewrite.name} rewrite reads. Was the module edited after it was built?"
             ) from None
         linear_path = _join(path, owner)
-        check_linear(linear, linear_path, verb, quantized=gguf_weight)
+        check_linear(linear, linear_path, verb, quantized=sliceable)
         check_hooks(linear, linear_path, verb)
 
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from surgery.core.gguf import adopt_gguf, restore_gguf
+from surgery.core.gguf import adopt_prequantized, restore_gguf
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
@@ -432,7 +432,7 @@ def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
     of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
     `nn.Linear`s over the same bytes (`surgery.core.gguf`), put back if a check refuses."""
-    adopted = adopt_gguf(model)
+    adopted = adopt_prequantized(model)
     try:
         planned = planned_for(model, plan, filter_fn)
         # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
