@@ -100,15 +100,18 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
 
 
 class ExplicitRefusals(unittest.TestCase):
-    def test_ltx2_is_refused_with_its_reason_before_anything_changes(self):
-        # its attention would derive (the processor rule covers it), but q/k are rotated across the whole width
+    def test_a_refused_class_is_refused_with_its_reason_before_anything_changes(self):
+        # LTX-2 shards (rewrites/derived_ltx.py); refused by a registration, it is refused whole, before any change
         torch.manual_seed(0)
         model = surgery.unfuse(diffusers.LTX2VideoTransformer3DModel(**LTX2))
         snap = snapshot(model)
-        with fake_process_group(2):
-            with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: LTX2VideoTransformer3DModel "
-                                                              r"is not sharded: its processor rotates q and k across"):
-                surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        reason = "its processor does something no plan follows"
+        with mock.patch.dict(registry._refused, {diffusers.LTX2VideoTransformer3DModel: reason}):
+            with fake_process_group(2):
+                with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: "
+                                                                  r"LTX2VideoTransformer3DModel is not sharded: its "
+                                                                  r"processor does something no plan follows\.$"):
+                    surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
         assert_unchanged(model, snap)
 
 

@@ -23,6 +23,7 @@ The engine names no family: the families' files in `rewrites/` say which childre
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
@@ -146,7 +147,7 @@ MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.
 MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
 # the older spelling: the head size from the local key width over the stored count (wrong on a share of the heads),
 # then views by the count. Read as the head size from the global widths, the views by the heads the local width holds.
-LOCAL_WIDTH = "inner_dim = key.shape[-1]"
+LOCAL_WIDTH = re.compile(r"inner_dim = key\w*\.shape\[-1\]")  # `key`, or a stream's `key_i` (HiDream's)
 HEAD_DIM_BY_COUNT = "head_dim = inner_dim // attn.heads"
 HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
 VIEW_BY_COUNT = "attn.heads, head_dim"
@@ -184,7 +185,7 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
         if VIEW_HEADS_LAST in source:
             edits += ((VIEW_HEADS_LAST, VIEW_HEAD_DIM_LAST, source.count(VIEW_HEADS_LAST)),)
-    elif source.count(LOCAL_WIDTH) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
+    elif len(LOCAL_WIDTH.findall(source)) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
         edits = ((HEAD_DIM_BY_COUNT, HEAD_DIM_GLOBAL, 1), (VIEW_BY_COUNT, VIEW_BY_WIDTH, source.count(VIEW_BY_COUNT)))
         edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH, source.count(MERGE_BY_COUNT)),) if MERGE_BY_COUNT in source else ()
     else:
