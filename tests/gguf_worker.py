@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 warnings.filterwarnings("ignore")
 
 import surgery  # noqa: E402
-from surgery.core.gguf import GGUFWeight  # noqa: E402
+from surgery.core.prequantized import GGUFWeight  # noqa: E402
 from surgery.parallel.quantized import held_bytes  # noqa: E402
 from surgery.testing import rel_err  # noqa: E402
 from surgery_rewrites.flux2 import FAMILY, example_inputs  # noqa: E402

@@ -12,7 +12,7 @@ from parameterized import parameterized
 
 import surgery
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import GGUFWeight
+from surgery.core.prequantized import GGUFWeight
 from surgery.io.loading import _load_single_file
 from surgery.parallel.plans import checked_plan
 from surgery.testing import FP32_TOL, run_on_cpu_ranks

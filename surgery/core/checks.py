@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import prequantized_model
+from surgery.core.prequantized import prequantized_model
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -51,7 +51,7 @@ def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
 
 def check_model(model: nn.Module, verb: str) -> None:
     """Model-wide states that no rewrite can carry over."""
-    if prequantized_model(model):  # GGUF / fp8r weights slice like their layout allows (surgery.core.gguf)
+    if prequantized_model(model):  # GGUF / fp8r weights slice like their layout allows (surgery.core.prequantized)
         return
     if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
         raise SurgeryError(

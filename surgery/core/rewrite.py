@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import GGUFWeight, adopt_prequantized, check_columns, restore_gguf, sliceable
+from surgery.core.prequantized import GGUFWeight, adopt_prequantized, check_columns, restore_adopted, sliceable
 from surgery.core.checks import (
     check_hooks,
     check_linear,
@@ -76,7 +76,7 @@ def unfuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
         try:
             return _rewrite(model, unfusing=True, optimizers=_optimizers(optimizer))
         except BaseException:
-            restore_gguf(adopted)
+            restore_adopted(adopted)
             raise
 
 

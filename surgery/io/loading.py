@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import GGUFWeight, check_columns, type_name
+from surgery.core.prequantized import GGUFWeight, check_columns, type_name
 from surgery.io.sliced_files import GGUFFile, SafetensorsFile, row_sources
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice
@@ -205,7 +205,7 @@ def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMe
     """`load_tensor_parallel` of one .gguf or .safetensors file (config.json beside it, or a model built on meta), in
     diffusers' names or the original ones that diffusers' single-file conversion maps. Each rank reads only the bytes
     of its rows and columns of each tensor:
-    - GGUF-quantized weights stay GGUF bytes, held as a `GGUFWeight` around a DTensor (`surgery.core.gguf`); equals
+    - GGUF-quantized weights stay GGUF bytes, held as a `GGUFWeight` around a DTensor (`surgery.core.prequantized`); equals
       `tensor_parallel(unfuse(from_single_file(path, quantization_config=GGUFQuantizationConfig(compute_dtype=
       dtype))), mesh)`, the same bytes on each rank;
     - float8 weights with a per-row `weight_scale` (BFL's fp8r layout, what diffusers' `BFLQuantizationConfig` reads)

@@ -21,7 +21,7 @@ import torch.nn as nn
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import block_layout
+from surgery.core.prequantized import block_layout
 
 _GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from surgery.core.gguf import adopt_prequantized, restore_gguf
+from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
@@ -431,7 +431,7 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
     of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
-    `nn.Linear`s over the same bytes (`surgery.core.gguf`), put back if a check refuses."""
+    `nn.Linear`s over the same bytes (`surgery.core.prequantized`), put back if a check refuses."""
     adopted = adopt_prequantized(model)
     try:
         planned = planned_for(model, plan, filter_fn)
@@ -441,7 +441,7 @@ def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None
         if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must
             check_coverage(model, planned)
     except BaseException:
-        restore_gguf(adopted)
+        restore_adopted(adopted)
         raise
     return planned
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor._ops._matrix_ops import mm_strategy
 from torch.distributed.tensor._ops.utils import register_op_strategy
 
 from surgery.core.errors import SurgeryError
-from surgery.core.gguf import gguf_weight, type_name
+from surgery.core.prequantized import gguf_weight, type_name
 
 
 def torchao_tensor(tensor: torch.Tensor) -> bool:
@@ -38,7 +38,7 @@ def torchao_tensor(tensor: torch.Tensor) -> bool:
 
 def quantized(tensor: torch.Tensor) -> bool:
     """A weight that the sharding here understands (see `check_split` for what it refuses): a torchao tensor or a
-    GGUF weight (`surgery.core.gguf.GGUFWeight`)."""
+    GGUF weight (`surgery.core.prequantized.GGUFWeight`)."""
     return torchao_tensor(tensor) or gguf_weight(tensor)
 
 

@@ -1,4 +1,5 @@
-"""GGUF weights (diffusers' `GGUFParameter` / `GGUFLinear`) as a tensor that unfusing and tensor parallelism can cut.
+"""Pre-quantized weights diffusers loads (GGUF: `GGUFParameter` / `GGUFLinear`; BFL fp8r: `BFLFP8RLinear`) as tensors
+that unfusing and tensor parallelism can cut.
 
 diffusers keeps a GGUF weight as its raw bytes (`uint8`, `rows x bytes per row`, a `GGUFParameter`) inside a
 `GGUFLinear` that dequantizes them in its forward. A GGUF row is whole blocks along the input dimension (32 columns per
@@ -12,6 +13,9 @@ quantized tensors: `nn.Linear`'s own forward calls `F.linear`, which dequantizes
 `dequantize_gguf_tensor` and multiplies. When `qdata` is a DTensor (each rank's cut of the bytes), the dequantization
 runs per rank through `local_map` and gives a DTensor weight of the same placement, so DTensor inserts exactly the
 collectives the unquantized plan has; no module holds TP logic.
+
+A BFL fp8r weight (float8 values, one fp32 scale per row) needs no new tensor: it is torchao's weight-only
+`Float8Tensor` with a per-row scale, whose slicing and sharding torchao and `surgery.parallel.quantized` already do.
 """
 
 from __future__ import annotations
@@ -192,7 +196,7 @@ def from_parameter(param: torch.Tensor, dtype: torch.dtype) -> GGUFWeight:
 
 def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """Replace each of `model`'s diffusers `GGUFLinear`s by a plain `nn.Linear` holding a `GGUFWeight` over the same
-    bytes (no copy; the same dequantization and product). Returns what `restore_gguf` puts back (the verbs do when
+    bytes (no copy; the same dequantization and product). Returns what `restore_adopted` puts back (the verbs do when
     they refuse, so a refused call leaves the model as it was); empty for a model without GGUF Linears."""
     try:
         from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # needs the optional gguf package
@@ -216,7 +220,7 @@ def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     return swaps
 
 
-def restore_gguf(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
+def restore_adopted(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
     """Put back the `GGUFLinear`s `adopt_gguf` replaced."""
     for parent, name, module in reversed(swaps):
         setattr(parent, name, module)
@@ -229,7 +233,7 @@ def adopt_fp8r(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     """Replace each of `model`'s diffusers `BFLFP8RLinear`s (BFL's fp8r: float8 weight, per-row fp32 scale) by a plain
     `nn.Linear` holding torchao's weight-only `Float8Tensor` over the same values and scales (no copy; the same
     dequantization, `weight.float() * scale`, then the product): what `Float8WeightOnlyConfig()` builds, which
-    unfusing slices and `tensor_parallel` shards. Returns what `restore_gguf` puts back."""
+    unfusing slices and `tensor_parallel` shards. Returns what `restore_adopted` puts back."""
     if not any(type(m).__name__ == "BFLFP8RLinear" for m in model.modules()):
         return []  # torchao is imported only for a model that holds such Linears
     try:
