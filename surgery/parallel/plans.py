@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
@@ -429,13 +430,19 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
 
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
-    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks."""
-    planned = planned_for(model, plan, filter_fn)
-    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
-    # owners are
-    check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
-    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must too
-        check_coverage(model, planned)
+    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
+    `nn.Linear`s over the same bytes (`surgery.core.prequantized`), put back if a check refuses."""
+    adopted = adopt_prequantized(model)
+    try:
+        planned = planned_for(model, plan, filter_fn)
+        # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+        # owners are
+        check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+        if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must
+            check_coverage(model, planned)
+    except BaseException:
+        restore_adopted(adopted)
+        raise
     return planned
 
 
