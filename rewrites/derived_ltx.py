@@ -104,8 +104,13 @@ _LTX2_3 = dict(gated_attn=True, cross_attn_mod=True, audio_gated_attn=True, audi
 # audio_cross_attention_dim is the audio attention's width (a2v keys, the cross-modal rotary tables); 4 heads each,
 # so the tiny models split at world 2 and 4
 _LTX2_TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
-                  audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=4, audio_attention_head_dim=4,
-                  audio_cross_attention_dim=16, num_layers=1, caption_channels=16, rope_type="split")
+                  audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=4, audio_attention_head_dim=8,
+                  audio_cross_attention_dim=32, num_layers=2, caption_channels=16, rope_type="split")
+# The config the suite shards in fp32: one block, and no attention biases: the seeded biases (about 1 each) dominate
+# q and k, whose norm across heads then cancels most of them, so the q/k gradients of the audio-to-video attention
+# move by up to 1.1e-5 under a mere change of summation order (measured at world 2; 5e-6 without them, 6 seeds). The biased
+# two-block configs shard in float64 (tests/test_derived_ltx.py).
+_LTX2_TP = {**_LTX2_TINY, **_LTX2_3, "num_layers": 1, "attention_bias": False}
 
 FAMILIES = (
     derived_family(
@@ -134,8 +139,9 @@ FAMILIES = (
         default_variant="2.3",
         example_inputs=ltx2_inputs,
         # the first runs sharded in the conformance suite: LTX-2.3's gated, perturbed attention with split RoPE
-        test_configs={"tiny": {**_LTX2_TINY, **_LTX2_3},
-                      "tiny_2.0_interleaved": {**_LTX2_TINY, "rope_type": "interleaved", "num_layers": 2}},
+        # tables; the two-block ones (with attention biases, both RoPE layouts) in tests/test_derived_ltx.py
+        test_configs={"tiny": _LTX2_TP, "tiny_2.3": {**_LTX2_TINY, **_LTX2_3},
+                      "tiny_2.0_interleaved": {**_LTX2_TINY, "rope_type": "interleaved"}},
         rotary={LTX2Attention: ("query_rotary_emb", "key_rotary_emb")},
     ),
 )

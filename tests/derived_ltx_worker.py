@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import conformance_worker as W
 import surgery
 
-CASES = (("ltx-video", "tiny_2_blocks"), ("ltx-2", "tiny_2.0_interleaved"))
+CASES = (("ltx-video", "tiny_2_blocks"), ("ltx-2", "tiny_2.3"), ("ltx-2", "tiny_2.0_interleaved"))
 
 
 def two_blocks(rank: int, world: int) -> dict:

@@ -1,6 +1,6 @@
-"""LTX-Video and LTX-2 sharded where the conformance suite does not run them: two blocks (its sharded configs hold
-one: rewrites/derived_ltx.py says why) and LTX-2's interleaved RoPE tables (its sharded config is LTX-2.3's split
-layout), at world 2 against the single-device stock model, forward and gradients, with the derived all-reduces.
+"""LTX-Video and LTX-2 sharded where the conformance suite does not run them: two blocks with attention biases (its
+sharded configs hold one block, LTX-2's without biases: rewrites/derived_ltx.py says why), LTX-2.3's split RoPE
+tables and LTX-2.0's interleaved ones, at world 2 against the single-device stock model, forward and gradients, with the derived all-reduces.
 
 In float64: from the second block on, an fp32 gradient comparison measures these seeded models' conditioning, not the
 sharding (a 1e-7 relative weight perturbation moves the stock model's own q/k gradients by up to 6e-5)."""
@@ -26,6 +26,7 @@ class TwoBlocks(unittest.TestCase):
             # per block: LTX-Video 2 attentions x (2 norm statistics + output) + feed-forward; LTX-2 6 x 3 + 2
             self.assertEqual(by_case["ltx-video/tiny_2_blocks"]["expected_all_reduces"], 2 * 7)
             self.assertEqual(by_case["ltx-2/tiny_2.0_interleaved"]["expected_all_reduces"], 2 * 20)
+            self.assertEqual(by_case["ltx-2/tiny_2.3"]["expected_all_reduces"], 2 * 20)
 
 
 if __name__ == "__main__":
