@@ -29,5 +29,19 @@ class TwoBlocks(unittest.TestCase):
             self.assertEqual(by_case["ltx-2/tiny_2.3"]["expected_all_reduces"], 2 * 20)
 
 
+class SanaWMRefinerKVCache(unittest.TestCase):
+    def test_cached_forwards_match_stock_with_each_rank_caching_its_heads(self):
+        for rank, by_config in enumerate(run_on_cpu_ranks(derived_ltx_worker.refiner_kv_cache, 2)):
+            self.assertEqual(sorted(by_config), ["tiny", "tiny_interleaved"])
+            for name, r in by_config.items():
+                self.assertLessEqual(r["first"], W.FP32_TOL, f"{name}, rank {rank}")
+                self.assertLessEqual(r["second"], W.FP32_TOL, f"{name}, rank {rank}")
+                self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]}, f"{name}, rank {rank}")
+            # per block the video stream only: self-attention and prompt cross-attention (2 norm statistics and an
+            # output each) and the feed-forward; LTX-2's audio stream, kept for the checkpoint, runs none
+            self.assertEqual(by_config["tiny"]["expected_all_reduces"], 7)
+            self.assertEqual(by_config["tiny_interleaved"]["expected_all_reduces"], 2 * 7)
+
+
 if __name__ == "__main__":
     unittest.main()
