@@ -21,6 +21,7 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboAttention,
     BriaFiboAttnProcessor,
     BriaFiboSingleTransformerBlock,
+    BriaFiboTextProjection,
     BriaFiboTransformer2DModel,
 )
 
@@ -90,6 +91,8 @@ FAMILY = derived_family(
     default_variant="fibo",
     example_inputs=example_inputs,
     rewrites=REWRITES,
+    # one per block, ahead of the blocks: reads the text states (few tokens) every rank holds whole
+    replicated={BriaFiboTextProjection: {"linear": "the text states' per-block input projection, ahead of the blocks"}},
     test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
 )

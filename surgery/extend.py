@@ -32,7 +32,7 @@ from surgery.core.registry import (
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection, SplitRows
-from surgery.parallel.derive import per_head_norm, processor_writes_in_place
+from surgery.parallel.derive import per_head_norm, processor_writes_in_place, qk_norms_per_head
 from surgery.parallel.families import derived_family
 
 __all__ = [
@@ -46,6 +46,6 @@ __all__ = [
     # a rewrite converting a nested module along (the core verbs, without diffusers' bookkeeping)
     "unfuse", "fuse",
     # plans and checks
-    "under", "per_head_norm", "processor_writes_in_place", "SPLIT_PROJECTION_TP_PLAN", "check_hooks", "check_linear", "mesh_sizes_dividing",
+    "under", "per_head_norm", "processor_writes_in_place", "qk_norms_per_head", "SPLIT_PROJECTION_TP_PLAN", "check_hooks", "check_linear", "mesh_sizes_dividing",
     "SurgeryError",
 ]

@@ -11,12 +11,15 @@ import diffusers
 import torch
 import torch.nn as nn
 from parameterized import parameterized
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
 from surgery.app import coverage
 from surgery.core.registry import model_class, tp_plan_for
+from surgery.testing import assert_unchanged, snapshot
+from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.families import all_reduces
 from surgery.parallel.plans import planned_for, transformer_blocks
 from surgery.parallel.derive import (
@@ -179,6 +182,50 @@ class Rotary(unittest.TestCase):
                 self.assertEqual(plan[""].names, names)
                 gates = getattr(attn, "to_gate_logits", None)
                 self.assertEqual("to_gate_logits" in plan, gates is not None)
+
+    def test_a_per_head_parameter_of_an_attention_is_refused_by_name(self):
+        # Helios with is_amplify_history: its processor scales the history keys by one parameter per head, whole on
+        # every rank; the published Helios transformers leave it off
+        torch.manual_seed(0)
+        config = {**W.families()["helios"].test_configs["tiny"], "is_amplify_history": True}
+        model = surgery.unfuse(diffusers.HeliosTransformer3DModel(**config))
+        plan = derived(model.blocks[0].attn1)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("own parameter `history_key_scale` (4,) has no derivation rule", plan.reason)
+        self.assertIsInstance(derived(model.blocks[0].attn2), dict)  # the cross attention holds none
+        snap = snapshot(model)
+        with fake_process_group(2), self.assertRaises(surgery.SurgeryError) as caught:
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        self.assertIn("no plan derived for 'blocks.0.attn1': its own parameter `history_key_scale`",
+                      str(caught.exception))
+        assert_unchanged(model, snap)
+
+
+class SharedParts(unittest.TestCase):
+    def test_norms_across_heads_on_the_shared_attention_take_their_statistic(self):
+        # Sana-Sprint's `rms_norm_across_heads` on diffusers' shared `Attention`: the registered `Attention` plan
+        # (norms per head) declines it, so each norm gets `AcrossHeadsNorm` (weight Shard(0), one all-reduce of a
+        # number per token), not a replicated weight over a width it cannot see whole
+        torch.manual_seed(0)
+        config = W.families()["sana"].test_configs["tiny_sprint"]
+        model = surgery.unfuse(diffusers.SanaTransformer2DModel(**config))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        for attention in ("attn1", "attn2"):
+            plan = plans[f"transformer_blocks.0.{attention}"]
+            self.assertEqual({k for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)}, {"norm_q", "norm_k"})
+        self.assertEqual(sum(all_reduces(s) for p in plans.values() for s in p.values()),
+                         config["num_layers"] * 2 * (1 + 2))  # per block, per attention: to_out.0 and two norms
+
+    def test_the_processor_rule_reads_a_streams_local_width(self):
+        # HiDream's processor takes the head size from its image stream's key (`inner_dim = key_i.shape[-1]`)
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamAttnProcessor
+
+        from surgery.core.leaves import edited_source, rule_edits
+
+        self.assertIsNotNone(rule_edits(HiDreamAttnProcessor))
+        source = edited_source(HiDreamAttnProcessor)
+        self.assertNotIn("attn.heads, head_dim", source)
+        self.assertEqual(source.count("view(batch_size, -1, inner_dim // head_dim, head_dim)"), 6)
 
 
 if __name__ == "__main__":

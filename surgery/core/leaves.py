@@ -23,6 +23,7 @@ The engine names no family: the families' files in `rewrites/` say which childre
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
@@ -136,13 +137,17 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 # widths (diffusers' generic `Attention` keeps no head_dim).
 HEADS_BY_COUNT = "(attn.heads, -1)"
 HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+# the same reshape written into a longer view, the heads last but one (`key.view(B, T, N, attn.heads, -1)`: WanAnimate's
+# face adapter)
+VIEW_HEADS_LAST = ", attn.heads, -1)"
+VIEW_HEAD_DIM_LAST = ", -1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
 # and a mask that `prepare_attention_mask` repeated once per head (the same mask for each) and the processor views
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
 MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
 # the older spelling: the head size from the local key width over the stored count (wrong on a share of the heads),
 # then views by the count. Read as the head size from the global widths, the views by the heads the local width holds.
-LOCAL_WIDTH = "inner_dim = key.shape[-1]"
+LOCAL_WIDTH = re.compile(r"inner_dim = key\w*\.shape\[-1\]")  # `key`, or a stream's `key_i` (HiDream's)
 HEAD_DIM_BY_COUNT = "head_dim = inner_dim // attn.heads"
 HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
 VIEW_BY_COUNT = "attn.heads, head_dim"
@@ -167,7 +172,8 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
 
-    Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))`, and the older processors'
+    Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (also as the last two sizes of a longer
+    `view(..., attn.heads, -1)`), and the older processors'
     `head_dim = inner_dim // attn.heads` from the key's width, then `view(..., attn.heads, head_dim)` and
     `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors)."""
     source = inspect.getsource(getattr(stock, method))
@@ -177,7 +183,9 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     mask = ((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ()
     if HEADS_BY_COUNT in source:
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
-    elif source.count(LOCAL_WIDTH) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
+        if VIEW_HEADS_LAST in source:
+            edits += ((VIEW_HEADS_LAST, VIEW_HEAD_DIM_LAST, source.count(VIEW_HEADS_LAST)),)
+    elif len(LOCAL_WIDTH.findall(source)) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
         edits = ((HEAD_DIM_BY_COUNT, HEAD_DIM_GLOBAL, 1), (VIEW_BY_COUNT, VIEW_BY_WIDTH, source.count(VIEW_BY_COUNT)))
         edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH, source.count(MERGE_BY_COUNT)),) if MERGE_BY_COUNT in source else ()
     else:

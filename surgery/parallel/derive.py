@@ -3,7 +3,7 @@
 diffusers builds its DiTs from a few parts, so a module of a transformer block that no family plans is read off:
 
 - an attention (`Attention`, `AttentionModuleMixin`, or any module with an integer `heads` and a `to_q` Linear):
-  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` and `to_add_out` rowwise (one all-reduce each); a q/k norm over
+  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` (or a Linear `to_out`) and `to_add_out` rowwise (one all-reduce each); a q/k norm over
   `head_dim` acts on each rank's own heads (`per_head_norm`); a norm over the whole width (`rms_norm_across_heads`)
   gets `AcrossHeadsNorm`, whose statistic is one all-reduce of a number per token, never an all-gather of q/k. Its
   processor must split heads by `head_dim` (`surgery.core.leaves`: the twin `unfuse` installs, or a stock processor
@@ -30,14 +30,17 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin, under
+from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
-INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out")
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# diffusers' spellings of an attention's projections and q/k norms: its shared `Attention`'s, and the `_t` (text
+# stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's)
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t")  # `to_out` where it is the Linear itself
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
+            "k_rms_norm_t")
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -178,6 +181,17 @@ def norm_width(norm: nn.Module) -> int | None:
     return int(shape[-1] if isinstance(shape, (tuple, list)) or hasattr(shape, "__len__") else shape)
 
 
+def qk_norms_per_head(module: nn.Module) -> bool:
+    """Whether an attention module's q/k norms (where it has any) each normalize one head's `head_dim` features: a
+    shared plan written for per-head norms fits it; a norm across heads needs the derived `AcrossHeadsNorm`."""
+    heads, q = getattr(module, "heads", None), getattr(module, "to_q", None)
+    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+        return True
+    norms = [_child(module, name) for name in QK_NORMS]
+    return all(norm_width(norm) in (None, q.out_features // heads) for norm in norms
+               if norm is not None and not isinstance(norm, nn.Identity))
+
+
 def processor_reads_head_count(processor) -> bool:
     """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
     try:
@@ -186,14 +200,25 @@ def processor_reads_head_count(processor) -> bool:
         return True  # no source to read: assume the worst
 
 
+def has_twin_rule(processor_class: type) -> bool:
+    """Whether a head-dim twin of a processor class can be built (the processor rule, or edits listed for it)."""
+    try:
+        return edits_for(processor_class) is not None
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
     processor = getattr(module, "processor", None)
     if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
-        return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
-                       "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
-                       "surgery.unfuse has not run)")
+        name = type(processor).__name__
+        if not has_twin_rule(type(processor)):
+            return Refused(f"its processor {name} reads the stored head count `attn.heads` beyond the reshapes the "
+                           "processor rule of surgery.core.leaves rewrites, so no head-dim twin of it exists")
+        return Refused(f"its processor {name} reshapes by the stored head count `attn.heads`, and no head-dim twin "
+                       "runs (surgery.unfuse has not run, or no registered family lists this attention class)")
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
@@ -242,11 +267,16 @@ def projection_plan(module: nn.Module) -> dict | Refused:
             plan[name] = AcrossHeadsNorm()
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
+    for name, param in module.named_parameters(recurse=False):
+        # a tensor the processor reads directly (Helios' `history_key_scale`, one scale per head): a rank holding a
+        # share of the heads would need its share of it, which no derived style gives
+        return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
+                       "the processor reads would need this rank's share of the heads)")
     covered = set(plan)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
-                           "(not q/k/v, added q/k/v, to_out.0 or to_add_out)")
+                           f"(not one of {', '.join(INPUT_PROJECTIONS + OUTPUT_PROJECTIONS)})")
     for name in ("to_k", "add_k_proj"):
         k = _child(module, name)
         if isinstance(k, nn.Linear) and k.out_features % head_dim:

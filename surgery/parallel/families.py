@@ -38,8 +38,9 @@ def attention_rewrite(cls: type[nn.Module], extra: tuple[type, ...] = ()) -> Rew
     processors = tuple(p for p in candidates if rule_edits(p) is not None)
     if not processors:
         return None
-    where = f" ({extra[0].__module__.rpartition('.')[2]})" if extra else ""
-    rewrite = swap_rewrite(f"{cls.__name__}{where}: heads by head_dim", cls, processors=Processors(processors),
+    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files)
+    where = (extra[0] if extra else cls).__module__.rpartition('.')[2]
+    rewrite = swap_rewrite(f"{cls.__name__} ({where}): heads by head_dim", cls, processors=Processors(processors),
                            children=dict.fromkeys(QK_NORMS, elementwise_norm))
     # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
     return replace(rewrite, in_checkpoints=False)
