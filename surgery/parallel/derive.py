@@ -108,12 +108,16 @@ class RotaryAcrossWidth(ParallelStyle):
             whole = DTensor.from_local(table, mesh, (Replicate(),), run_check=False)
             return whole.redistribute(mesh, (Shard(dim),)).to_local()
 
+        # a name the forward takes through its **kwargs (passed on to the processor) is found there
+        extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
         def shares(_, args, kwargs):
             bound = signature.bind(*args, **kwargs)
             for name in self.names:
-                tables = bound.arguments.get(name)
+                holder = bound.arguments if name in signature.parameters else bound.arguments.get(extra, {})
+                tables = holder.get(name)
                 if tables is not None:
-                    bound.arguments[name] = type(tables)(local(t) for t in tables)
+                    holder[name] = type(tables)(local(t) for t in tables)
             return bound.args, bound.kwargs
 
         module.register_forward_pre_hook(shares, with_kwargs=True)
