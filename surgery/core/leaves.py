@@ -23,6 +23,7 @@ The engine names no family: the families' files in `rewrites/` say which childre
 from __future__ import annotations
 
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
@@ -140,15 +141,40 @@ HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
 MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
-# the older spelling: the head size from the local key width over the stored count (wrong on a share of the heads),
-# then views by the count. Read as the head size from the global widths, the views by the heads the local width holds.
-LOCAL_WIDTH = "inner_dim = key.shape[-1]"
-HEAD_DIM_BY_COUNT = "head_dim = inner_dim // attn.heads"
+# the older spelling: the head size from a local width over the stored count, `head_dim = {width} // attn.heads` with
+# `{width} = key.shape[-1]` (or the query's), wrong on a share of the heads; then views and the merge by the count.
+# Read as the head size from the global widths, the views and the merge by the heads the local width holds.
+LOCAL_WIDTH = re.compile(r"^[ \t]*(\w+) = (query|key)\.shape\[-1\][ \t]*$", re.M)
+HEAD_DIM_BY_COUNT = "head_dim = {width} // attn.heads"
 HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
 VIEW_BY_COUNT = "attn.heads, head_dim"
-VIEW_BY_WIDTH = "inner_dim // head_dim, head_dim"
+VIEW_BY_WIDTH = "{width} // head_dim, head_dim"
 MERGE_BY_COUNT = "reshape(batch_size, -1, attn.heads * head_dim)"
-MERGE_BY_WIDTH = "reshape(batch_size, -1, inner_dim)"
+MERGE_BY_WIDTH = "reshape(batch_size, -1, {width})"
+# grouped-query attention (Lumina2): query heads per key/value head, `attn.heads // kv_heads` with the kv heads read
+# off the local key width. Where the width is the query's, its heads over the local kv heads: the same ratio on a
+# rank holding heads / N query heads and kv_heads / N kv heads (contiguous shards keep each group whole: query head
+# i attends with kv head i // ratio, and both counts cut at the same multiples of the ratio).
+GROUPS_BY_COUNT = "attn.heads // "
+GROUPS_BY_WIDTH = "{width} // head_dim // "
+
+
+def by_local_width(source: str) -> tuple[tuple[str, str, int], ...] | None:
+    """The older spelling's edits: the one local width whose `head_dim = width // attn.heads` the source holds once."""
+    widths = [m.groups() for m in LOCAL_WIDTH.finditer(source)]
+    for width, projection in widths:
+        head_dim = HEAD_DIM_BY_COUNT.format(width=width)
+        if [w for w, _ in widths].count(width) != 1 or source.count(head_dim) != 1:
+            continue
+        edits = ((head_dim, HEAD_DIM_GLOBAL, 1),
+                 (VIEW_BY_COUNT, VIEW_BY_WIDTH.format(width=width), source.count(VIEW_BY_COUNT)))
+        if MERGE_BY_COUNT in source:
+            edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH.format(width=width), source.count(MERGE_BY_COUNT)),)
+        if projection == "query" and GROUPS_BY_COUNT in source:
+            edits += ((GROUPS_BY_COUNT, GROUPS_BY_WIDTH.format(width=width), source.count(GROUPS_BY_COUNT)),)
+        return edits
+    return None
+
 
 # Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
 # must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
@@ -168,8 +194,9 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
 
     Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))`, and the older processors'
-    `head_dim = inner_dim // attn.heads` from the key's width, then `view(..., attn.heads, head_dim)` and
-    `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors)."""
+    `head_dim = inner_dim // attn.heads` from the key's (or the query's) width, then `view(..., attn.heads,
+    head_dim)` and `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors;
+    Lumina2's grouped-query one, whose `attn.heads // kv_heads` is read by the query width too)."""
     source = inspect.getsource(getattr(stock, method))
     masks = source.count(MASK_BY_COUNT)
     if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
@@ -177,11 +204,10 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     mask = ((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ()
     if HEADS_BY_COUNT in source:
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
-    elif source.count(LOCAL_WIDTH) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
-        edits = ((HEAD_DIM_BY_COUNT, HEAD_DIM_GLOBAL, 1), (VIEW_BY_COUNT, VIEW_BY_WIDTH, source.count(VIEW_BY_COUNT)))
-        edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH, source.count(MERGE_BY_COUNT)),) if MERGE_BY_COUNT in source else ()
     else:
-        return None
+        edits = by_local_width(source)
+        if edits is None:
+            return None
     rest = source
     for old, _, _ in edits + mask:
         rest = rest.replace(old, "")

@@ -275,12 +275,15 @@ def derived(module: nn.Module) -> dict | Refused | None:
 
 
 def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
-    """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong."""
+    """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong. Both
+    counts dividing by the mesh also keeps each query group with its key/value head: contiguous shards of `heads / N`
+    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio)."""
     head_dim = module.to_q.out_features // module.heads
     for name in ("to_q", "to_k", "add_q_proj", "add_k_proj"):
         linear = _child(module, name)
         if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
             count = linear.out_features // head_dim
+            kind = "heads" if count == module.heads else f"key/value heads (grouped-query: {module.heads} query heads)"
             raise SurgeryError(
-                f"surgery.tensor_parallel: '{path}.{name}' holds {count} heads of {head_dim}, which a mesh of {world} "
+                f"surgery.tensor_parallel: '{path}.{name}' holds {count} {kind} of {head_dim}, which a mesh of {world} "
                 f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")

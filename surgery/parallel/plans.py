@@ -396,8 +396,10 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
         registered, check = tp_plan_for(module)
-        if registered is None and check is None and is_attention(module):
-            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
+        if check is None and is_attention(module) and isinstance(getattr(module, "to_q", None), nn.Linear):
+            # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
+            # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
+            check = check_derived_heads
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
