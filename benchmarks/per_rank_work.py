@@ -56,7 +56,8 @@ from surgery_rewrites.flux2 import FAMILY, example_inputs  # noqa: E402
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--width", default="klein-9b", choices=sorted(FAMILY.variants), help="FLUX.2 variant's width")
+    p.add_argument("--width", default="klein-9b", choices=sorted(FAMILY.variants) + sorted(FAMILY.test_configs),
+                   help="FLUX.2 variant's width (or a tiny test config, for a smoke run)")
     p.add_argument("--double", type=int, help="double-stream blocks (default: the variant's)")
     p.add_argument("--single", type=int, help="single-stream blocks (default: the variant's)")
     p.add_argument("--tokens", type=int, default=4096, help="image tokens (text tokens: a quarter)")
@@ -128,7 +129,7 @@ def main() -> None:
     args = parse()
     rank, world, device = setup(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    config = dict(FAMILY.variants[args.width])
+    config = dict({**FAMILY.test_configs, **FAMILY.variants}[args.width])
     if args.double is not None:
         config["num_layers"] = args.double
     if args.single is not None:

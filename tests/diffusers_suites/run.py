@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # family -> test files (relative to the diffusers checkout), by kind. Files whose model class is not the family's
-# (FramePack, HunyuanVideo 1.5, HunyuanDiT) are left out.
+# (FramePack, HunyuanDiT) are left out.
 FILES = {
     "flux2": {
         "model": ["tests/models/transformers/test_models_transformer_flux2.py"],
@@ -60,6 +60,14 @@ FILES = {
     },
     "skyreels-v2": {"model": ["tests/models/transformers/test_models_transformer_skyreels_v2.py"]},
     "wan-vace": {"model": ["tests/models/transformers/test_models_transformer_wan_vace.py"]},
+    "sd3": {"model": ["tests/models/transformers/test_models_transformer_sd3.py"]},
+    "cogvideox": {"model": ["tests/models/transformers/test_models_transformer_cogvideox.py"]},
+    "pixart": {"model": ["tests/models/transformers/test_models_pixart_transformer2d.py"]},
+    "dit": {"model": ["tests/models/transformers/test_models_dit_transformer2d.py"]},
+    "cogview3-plus": {"model": ["tests/models/transformers/test_models_transformer_cogview3plus.py"]},
+    "cogview4": {"model": ["tests/models/transformers/test_models_transformer_cogview4.py"]},
+    "z-image": {"model": ["tests/models/transformers/test_models_transformer_z_image.py"]},
+    "hunyuan-video-1.5": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_1_5.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
