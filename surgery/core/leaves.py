@@ -299,6 +299,15 @@ def translate(processor, unfusing: bool):
     return translated
 
 
+def set_processor(attention: nn.Module, processor) -> None:
+    """diffusers' `set_processor` where the attention has it; an attention written as a plain `nn.Module` that calls
+    `self.processor` (Mochi's) takes the attribute."""
+    if hasattr(attention, "set_processor"):
+        attention.set_processor(processor)
+    else:
+        attention.processor = processor
+
+
 @dataclass(frozen=True)
 class Processors:
     """The stock processor classes of some attention modules that need head-dim twins (built on creation)."""
@@ -320,7 +329,7 @@ class Processors:
         if not (self.fused(attention) if unfusing else self.unfused(attention)):
             return attention
         new = recast(attention)
-        new.set_processor(translate(attention.processor, unfusing))
+        set_processor(new, translate(attention.processor, unfusing))
         return new
 
 
@@ -376,7 +385,7 @@ def swap_rewrite(
                 replace[child] = convert(getattr(m, child), unfusing)
         new = recast(m, unfused_class if unfusing else cls, **replace)
         if processors is not None and (processors.fused(m) if unfusing else processors.unfused(m)):
-            new.set_processor(translate(m.processor, unfusing))
+            set_processor(new, translate(m.processor, unfusing))
         return new
 
     return Rewrite(

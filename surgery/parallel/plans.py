@@ -243,8 +243,9 @@ DERIVED_REPLICATED = {
     "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
 }
 # The same modules written inside a model's own file (CogView4AdaLayerNormZero, HunyuanVideo15AdaNorm, MochiRMSNormZero,
-# Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
-ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation")
+# Kandinsky5Modulation, MochiLayerNormContinuous, ...): known by diffusers' naming of adaptive norms and modulations
+# (`...NormContinuous`: a norm whose scale comes from the conditioning, as AdaLayerNormContinuous's).
+ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation", "NormContinuous")
 # ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
 ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
