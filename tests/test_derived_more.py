@@ -83,5 +83,37 @@ class Lumina2GroupedQueries(unittest.TestCase):
         self.assertEqual({n: (p.shape, type(p)) for n, p in model.named_parameters()}, before)
 
 
+class Kandinsky5Names(unittest.TestCase):
+    def test_the_rule_reads_the_reshape_by_num_heads_with_the_query_width(self):
+        from diffusers.models.transformers.transformer_kandinsky import Kandinsky5AttnProcessor
+
+        source = inspect.getsource(Kandinsky5AttnProcessor.__call__)
+        # counted here from diffusers' source: q, k, v reshaped by the stored count in each of its two branches
+        self.assertEqual(source.count("reshape(*shape, attn.num_heads, -1)")
+                         + source.count("reshape(*cond_shape, attn.num_heads, -1)"), 6)
+        edited = leaves.edited_source(Kandinsky5AttnProcessor)
+        self.assertNotIn("attn.num_heads, -1)", edited)
+        self.assertEqual(edited.count("-1, attn.to_query.out_features // attn.num_heads)"), 6)
+
+    def test_the_derived_plan_reads_kandinsky5s_names_as_their_roles(self):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+        from surgery.parallel.derive import derived
+
+        family = surgery.extend.families()["kandinsky5"]
+        model = surgery.unfuse(model_on_meta(family, family.config()))
+        block = model.visual_transformer_blocks[0]
+        # diffusers' layout: to_query/to_key/to_value read the input, out_layer writes the output, query_norm and
+        # key_norm normalize one head (64 = the rotary axes 16 + 24 + 24)
+        for name in ("self_attention", "cross_attention"):
+            attention = getattr(block, name)
+            self.assertEqual(attention.query_norm.weight.shape[-1], 64)
+            plan = derived(attention)
+            self.assertEqual({k: type(v) for k, v in plan.items()},
+                             {"to_query": ColwiseParallel, "to_key": ColwiseParallel, "to_value": ColwiseParallel,
+                              "out_layer": RowwiseParallel, "query_norm": SequenceParallel,
+                              "key_norm": SequenceParallel})
+
+
 if __name__ == "__main__":
     unittest.main()

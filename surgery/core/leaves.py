@@ -137,6 +137,11 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 # widths (diffusers' generic `Attention` keeps no head_dim).
 HEADS_BY_COUNT = "(attn.heads, -1)"
 HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+# ... or by `attn.num_heads` (Kandinsky 5's `reshape(*shape, attn.num_heads, -1)`, on a module without `inner_dim`):
+# the head size from the width its query projection declares (`out_features`, the whole module's on any rank)
+NUM_HEADS_BY_COUNT = "attn.num_heads, -1)"
+QUERY_CALL = re.compile(r"\bquery = attn\.(\w+)\(hidden_states\)")
+HEAD_DIM_BY_QUERY = "-1, attn.{query}.out_features // attn.num_heads)"
 # and a mask that `prepare_attention_mask` repeated once per head (the same mask for each) and the processor views
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
@@ -193,7 +198,8 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
 
-    Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))`, and the older processors'
+    Three spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (or `attn.num_heads, -1)` with the
+    head size from the query projection's width: Kandinsky 5), and the older processors'
     `head_dim = inner_dim // attn.heads` from the key's (or the query's) width, then `view(..., attn.heads,
     head_dim)` and `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors;
     Lumina2's grouped-query one, whose `attn.heads // kv_heads` is read by the query width too)."""
@@ -202,8 +208,12 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
         return None
     mask = ((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ()
+    queries = set(QUERY_CALL.findall(source))
     if HEADS_BY_COUNT in source:
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
+    elif NUM_HEADS_BY_COUNT in source and len(queries) == 1:
+        by_query = HEAD_DIM_BY_QUERY.format(query=queries.pop())
+        edits = ((NUM_HEADS_BY_COUNT, by_query, source.count(NUM_HEADS_BY_COUNT)),)
     else:
         edits = by_local_width(source)
         if edits is None:
@@ -211,7 +221,7 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     rest = source
     for old, _, _ in edits + mask:
         rest = rest.replace(old, "")
-    return None if "attn.heads" in rest else edits + mask
+    return None if "attn.heads" in rest or "attn.num_heads" in rest else edits + mask
 
 
 def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:

@@ -34,9 +34,16 @@ from surgery.core.leaves import runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
-INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out")
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+# diffusers' spellings of an attention's parts, each read as its role so that no family names them: `to_q` or
+# `to_query` (Kandinsky 5's `to_query/to_key/to_value/out_layer`, `query_norm/key_norm`), the head count as `heads` or
+# `num_heads`
+QUERIES = ("to_q", "to_query")
+KEYS = ("to_k", "add_k_proj", "to_key")
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_query", "to_key",
+                     "to_value")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "out_layer")
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "query_norm", "key_norm")
+HEAD_COUNTS = ("heads", "num_heads")
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -105,9 +112,19 @@ class Refused:
     reason: str
 
 
+def head_count(module: nn.Module) -> int | None:
+    """An attention's stored head count (`heads`, or `num_heads`), or None."""
+    return next((n for n in (getattr(module, a, None) for a in HEAD_COUNTS) if isinstance(n, int)), None)
+
+
+def query_projection(module: nn.Module) -> nn.Module | None:
+    """An attention's query projection (`to_q`, or `to_query`), or None."""
+    return next((q for q in (getattr(module, name, None) for name in QUERIES) if q is not None), None)
+
+
 def is_attention(module: nn.Module) -> bool:
     return isinstance(module, (Attention, AttentionModuleMixin)) or (
-        isinstance(getattr(module, "heads", None), int) and isinstance(getattr(module, "to_q", None), nn.Linear))
+        head_count(module) is not None and isinstance(query_projection(module), nn.Linear))
 
 
 def _child(module: nn.Module, path: str) -> nn.Module | None:
@@ -154,9 +171,9 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     """The styles of an attention module's projections and q/k norms, read off its children, or why there are
     none (a Linear without a rule, a norm of another width, a torch RMSNorm across heads)."""
     cls = type(module).__name__
-    heads = getattr(module, "heads", None)
-    q = getattr(module, "to_q", None)
-    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+    heads = head_count(module)
+    q = query_projection(module)
+    if heads is None or not isinstance(q, nn.Linear):
         return Refused(f"a {cls} without an integer `heads` and a `to_q` Linear (fused to_qkv? call surgery.unfuse)")
     head_dim = q.out_features // heads
     plan: dict = {}
@@ -190,7 +207,7 @@ def projection_plan(module: nn.Module) -> dict | Refused:
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
                            "(not q/k/v, added q/k/v, to_out.0 or to_add_out)")
-    for name in ("to_k", "add_k_proj"):
+    for name in KEYS:
         k = _child(module, name)
         if isinstance(k, nn.Linear) and k.out_features % head_dim:
             return Refused(f"{name} has {k.out_features} features, not whole heads of {head_dim}")
@@ -203,7 +220,7 @@ def single_stream_parts(block: nn.Module) -> tuple[str, str, str] | None:
     width is theirs summed); None for any other module."""
     children = dict(block.named_children())
     for a, attn in children.items():
-        q = getattr(attn, "to_q", None) if is_attention(attn) else None
+        q = query_projection(attn) if is_attention(attn) else None
         if not isinstance(q, nn.Linear) or _child(attn, "to_out") is not None:
             continue
         for m, mlp in children.items():
@@ -278,12 +295,13 @@ def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
     """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong. Both
     counts dividing by the mesh also keeps each query group with its key/value head: contiguous shards of `heads / N`
     and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio)."""
-    head_dim = module.to_q.out_features // module.heads
-    for name in ("to_q", "to_k", "add_q_proj", "add_k_proj"):
+    heads = head_count(module)
+    head_dim = query_projection(module).out_features // heads
+    for name in (*QUERIES, "add_q_proj", *KEYS):
         linear = _child(module, name)
         if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
             count = linear.out_features // head_dim
-            kind = "heads" if count == module.heads else f"key/value heads (grouped-query: {module.heads} query heads)"
+            kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}.{name}' holds {count} {kind} of {head_dim}, which a mesh of {world} "
                 f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")

@@ -31,7 +31,7 @@ from surgery.parallel import quantized as quant
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
-from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
@@ -397,7 +397,7 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
         registered, check = tp_plan_for(module)
-        if check is None and is_attention(module) and isinstance(getattr(module, "to_q", None), nn.Linear):
+        if check is None and is_attention(module) and isinstance(query_projection(module), nn.Linear):
             # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
             # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
             check = check_derived_heads
