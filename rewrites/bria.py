@@ -6,8 +6,9 @@ processors that split heads by head size so that they run column-sharded.
 | `BriaSingleTransformerBlock`   | `proj_out` -> `SplitProjection` (`.attn_part`, `.mlp_part`); `attn`'s processor    |
 | `BriaAttention` (double block) | processor `BriaAttnProcessor` -> its head-dim twin (`surgery.core.leaves`)              |
 
-Bria's structure is LongCat-Image's: the rewrites come from `rewrites.longcat_image`, the plans are the shared ones
-of `rewrites.diffusers_common`.
+Bria's structure is LongCat-Image's: the rewrites come from `rewrites.longcat_image`. The plans are derived from the
+unfused modules (`surgery.extend.derived_family`): heads and MLP hidden units split across ranks; one all-reduce per
+single block, one per output projection and feed-forward in the double blocks.
 """
 
 from __future__ import annotations
@@ -19,18 +20,10 @@ from diffusers.models.transformers.transformer_bria import (
     BriaTransformer2DModel,
 )
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.extend import Family, Processors
+from surgery.extend import Processors, derived_family
 
 REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))
-
-# The same plans as LongCat-Image's (same submodules): heads and MLP hidden units split across ranks; one all-reduce
-# per single block, one per output projection and feed-forward in the double blocks.
-TP_PLANS = {
-    BriaAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
-    BriaSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
-}
 
 
 # briaai/BRIA-3.2 (T5-XXL text states, FLUX.1-style latents, no guidance embedding). The depth (10 double, 20 single
@@ -68,18 +61,14 @@ TEST_CONFIGS = {
                         axes_dims_rope=(4, 4, 4)),
 }
 
-FAMILY = Family(
-    name="bria",
-    model_class=BriaTransformer2DModel,
+FAMILY = derived_family(
+    "bria", BriaTransformer2DModel,
     variants=VARIANTS,
     sources="BriaTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/BRIA-3.2 "
     "transformer/config.json for the depth (unverified)",
     default_variant="3.2",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
     test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
 )

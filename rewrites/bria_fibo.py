@@ -9,6 +9,7 @@ attention processors that split heads by head size so that they run column-shard
 | `BriaFiboAttention` (double block)               | processor `BriaFiboAttnProcessor` -> head-dim twin         |
 
 Only the generic `Attention` modules running `BriaAttnProcessor` are this family's (told apart by their processor).
+The plans are LongCat-Image's, derived from the unfused modules (`surgery.extend.derived_family`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboAttention,
     BriaFiboAttnProcessor,
     BriaFiboSingleTransformerBlock,
+    BriaFiboTextProjection,
     BriaFiboTransformer2DModel,
 )
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.extend import Family, Processors, swap_rewrite
+from surgery.extend import Processors, derived_family, swap_rewrite
 
 _SINGLE_ATTENTION = Processors((BriaAttnProcessor,))
 REWRITES = (
@@ -34,12 +35,6 @@ REWRITES = (
     # a single block's attention outside its block's rewrite (a stock processor set after unfuse)
     swap_rewrite("bria_fibo.single_block_attention", Attention, processors=_SINGLE_ATTENTION),
 )
-
-# The same plans as LongCat-Image's (same submodules), shared in rewrites/diffusers_common.py.
-TP_PLANS = {
-    BriaFiboAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
-    BriaFiboSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
-}
 
 
 # briaai/FIBO: SmolLM3-3B text states (2048 wide, one per block through `caption_projection`), Wan2.2 VAE latents
@@ -88,18 +83,16 @@ TEST_CONFIGS = {
                         axes_dims_rope=(4, 4, 4)),
 }
 
-FAMILY = Family(
-    name="bria-fibo",
-    model_class=BriaFiboTransformer2DModel,
+FAMILY = derived_family(
+    "bria-fibo", BriaFiboTransformer2DModel,
     variants=VARIANTS,
     sources="BriaFiboTransformer2DModel defaults (diffusers 0.42.1) for the widths; briaai/FIBO "
     "transformer/config.json for depth and in_channels (unverified)",
     default_variant="fibo",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    # one per block, ahead of the blocks: reads the text states (few tokens) every rank holds whole
+    replicated={BriaFiboTextProjection: {"linear": "the text states' per-block input projection, ahead of the blocks"}},
     test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
 )

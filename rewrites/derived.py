@@ -9,6 +9,7 @@ all-reduce count.
 from __future__ import annotations
 
 import torch
+from diffusers.models.transformers import transformer_chronoedit as chronoedit
 from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
 from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
@@ -84,6 +85,20 @@ FAMILIES = (
         default_variant="t2v-14b",
         example_inputs=wan_inputs,
         test_configs={"tiny": _WAN_TINY},
+    ),
+    derived_family(
+        "chronoedit", chronoedit.ChronoEditTransformer3DModel, attention=(chronoedit.WanAttention,),
+        variants={
+            "14b": {**_WAN, "ffn_dim": 13824, "in_channels": 36, "num_attention_heads": 40, "num_layers": 40,
+                    "image_dim": 1280, "added_kv_proj_dim": 5120, "rope_max_seq_len": 1024},
+        },
+        sources="nvidia/ChronoEdit-14B-Diffusers: Wan2.1-I2V-14B's transformer (diffusers scripts/"
+        "convert_wan_to_diffusers.py, Wan-I2V-14B-720p; the same numbers in an early copy of its transformer/"
+        "config.json, huggingface.co/NopenAI/nv-chronoedit) with ChronoEdit's default rope_temporal_skip_len=8",
+        default_variant="14b",
+        # 16 image tokens make 2 latent frames: ChronoEdit's two-frame (edit) rotary path
+        example_inputs=wan_inputs,
+        test_configs={"tiny_i2v": {**_WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}, "tiny": _WAN_TINY},
     ),
     derived_family(
         "wan-vace", WanVACETransformer3DModel, attention=(WanAttention,),

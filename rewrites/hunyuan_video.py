@@ -15,7 +15,7 @@ Why the processors: every HunyuanVideo attention processor reshapes by the globa
 (`unflatten(2, (attn.heads, -1))` in `HunyuanVideoAttnProcessor2_0`; `view(batch, -1, attn.heads, head_dim)` and a
 mask repeated `attn.heads` times in the refiner's `AttnProcessor2_0`). On a rank that holds a column shard of q/k/v
 those split each head into pieces, so stock tensor parallelism would run and be wrong. Their twins
-(`surgery.core.leaves.head_dim_twin`) are the stock source with the edits listed in `surgery.core.leaves.EDITS`: heads split
+(`surgery.core.leaves.head_dim_twin`) are the stock source with the edits registered in `surgery.core.leaves.EDITS`: heads split
 by `head_dim`, and the refiner's per-sample mask broadcast over however many heads a rank holds.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
@@ -37,8 +36,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTransformerBlock,
 )
 
-from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery.extend import Family, Processors, SurgeryError, columns, mesh_sizes_dividing, swap_rewrite
+from surgery.extend import Processors, SurgeryError, columns, derived_family, swap_rewrite
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))
@@ -60,33 +58,11 @@ REWRITES = (
     swap_rewrite("hunyuan_video.attention", Attention, processors=PROCESSORS),
 )
 
-# --- tensor-parallel plans ----------------------------------------------------------------------------------------
-
-# Double-stream blocks and the token refiner: their attention is diffusers' generic `Attention` running a head-dim
-# twin, planned once in rewrites/qwenimage.py; their FeedForwards use the shared plan of rewrites/diffusers_common.py.
-
-# Single-stream blocks: FLUX.1's shared plan (rewrites/diffusers_common.py): heads and MLP hidden units split across
-# ranks; the SplitProjection's halves leave partial sums, resolved once on its output (before the gate and the
-# residual): one all-reduce per block.
-
-
-def _check_single_block_heads(block: nn.Module, path: str, world: int) -> None:
-    heads = block.attn.heads
-    if heads % world:
-        raise SurgeryError(
-            f"surgery.tensor_parallel: '{path}.attn' has {heads} attention heads, which a mesh of {world} cannot split "
-            f"evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
-        )
-
-
-TP_PLANS = {
-    HunyuanVideoSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
-    HunyuanVideoTokenReplaceSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
-}
-TP_CHECKS = {
-    HunyuanVideoSingleTransformerBlock: _check_single_block_heads,
-    HunyuanVideoTokenReplaceSingleTransformerBlock: _check_single_block_heads,
-}
+# --- tensor-parallel plans: derived (`surgery.extend.derived_family`) ---------------------------------------------
+# The double-stream blocks' and the token refiner's attention (diffusers' generic `Attention` running a head-dim twin)
+# and their FeedForwards: heads and hidden units split across ranks, one all-reduce per output projection. The
+# single-stream blocks (FLUX.1's layout): heads and MLP hidden units split; the SplitProjection's halves leave partial
+# sums, resolved once on its output (before the gate and the residual): one all-reduce per block.
 
 # --- the family: published configs, example inputs, test configs ------------------------------------------------------
 
@@ -174,25 +150,18 @@ TEST_CONFIGS = {
                                       image_condition_type="latent_concat"),
 }
 
-FAMILY = Family(
-    name="hunyuan-video",
-    model_class=HunyuanVideoTransformer3DModel,
+FAMILY = derived_family(
+    "hunyuan-video", HunyuanVideoTransformer3DModel,
     variants=VARIANTS,
     sources="diffusers scripts/convert_hunyuan_video_to_diffusers.py (TRANSFORMER_CONFIGS); "
     "hunyuanvideo-community/HunyuanVideo and HunyuanVideo-I2V transformer/config.json",
     default_variant="t2v",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    tp_checks=TP_CHECKS,
     replicated={HunyuanVideoTokenRefiner: {
         "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)",
         "token_refiner.refiner_blocks.*.norm_out.linear": "adaLN modulation of the replicated conditioning embedding",
     }},
-    # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved
-    # once); per token-refiner block: attention out + ff
-    count_all_reduces=lambda config: 4 * config.get("num_layers", 20) + config.get("num_single_layers", 40)
-    + 2 * config.get("num_refiner_layers", 2),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
 )

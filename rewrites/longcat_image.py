@@ -10,8 +10,10 @@ attention processors that split heads by head size so that they run column-shard
 diffusers' `LongCatImageAttnProcessor` reshapes with the stored head count (`unflatten(-1, (attn.heads, -1))`), wrong
 on a rank that holds `heads / N` of them. `surgery.core.leaves.head_dim_twin` builds its twin from the stock source with
 that one edit (heads split by `head_dim`); blocks, forwards and attention classes stay diffusers' own. Ovis-Image,
-Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites` and the same shared plans
-(`rewrites/diffusers_common.py`).
+Bria and Bria-Fibo have the same structure: their files reuse `flux_like_rewrites`. The plans are derived from the
+unfused modules (`surgery.extend.derived_family`): the double block's attention's heads split across ranks, one
+all-reduce per output projection; the single block's heads and MLP hidden units split, both parts of `proj_out`
+leaving partial sums that one all-reduce resolves.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ from diffusers.models.transformers.transformer_longcat_image import (
     LongCatImageTransformer2DModel,
 )
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
-from surgery.extend import Family, Leaf, Processors, Rewrite, SurgeryError, columns, swap_rewrite
+from surgery.extend import Leaf, Processors, Rewrite, SurgeryError, columns, derived_family, swap_rewrite
 
 # The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
 PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)
@@ -55,17 +56,6 @@ def flux_like_rewrites(
 
 PROCESSORS = Processors((LongCatImageAttnProcessor,))
 REWRITES = flux_like_rewrites("longcat_image", LongCatImageSingleTransformerBlock, LongCatImageAttention, PROCESSORS)
-
-
-# --- tensor-parallel plans ------------------------------------------------------------------------------------------
-
-# The double-stream block's attention: heads split across ranks, one all-reduce per output projection. The
-# single-stream block: heads and MLP hidden units split across ranks; both parts of proj_out leave partial sums that
-# one all-reduce resolves. Both plans are the shared ones (rewrites/diffusers_common.py).
-TP_PLANS = {
-    LongCatImageAttention: DOUBLE_STREAM_ATTENTION_TP_PLAN,
-    LongCatImageSingleTransformerBlock: SINGLE_BLOCK_TP_PLAN,
-}
 
 
 # --- the family: published configs, example inputs, test configs ----------------------------------------------------
@@ -138,18 +128,14 @@ TEST_CONFIGS = {
                         axes_dims_rope=(4, 4, 4)),
 }
 
-FAMILY = Family(
-    name="longcat-image",
-    model_class=LongCatImageTransformer2DModel,
+FAMILY = derived_family(
+    "longcat-image", LongCatImageTransformer2DModel,
     variants=VARIANTS,
     sources="LongCatImageTransformer2DModel defaults (diffusers 0.42.1), which meituan-longcat/LongCat-Image and "
     "LongCat-Image-Edit transformer/config.json use",
     default_variant="base",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
 )

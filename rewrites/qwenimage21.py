@@ -2,30 +2,17 @@
 
 Its single-stream blocks hold separate, bias-free q/k/v and output projections (`QwenImage21Attention`) and a SwiGLU
 feed-forward with separate gate and up projections (`QwenImage21SwiGLUFeedForward`). Both processors split heads by
-`head_dim`, so they run unchanged on each rank's share of the heads. The plans below are diffusers' own `_tp_plan`
-for this class, plus the QK-norms as per-head norms; same collectives: two all-reduces per block.
+`head_dim`, so they run unchanged on each rank's share of the heads. The plans are derived
+(`surgery.extend.derived_family`) and equal diffusers' own `_tp_plan` for this class (tests/test_derive.py), plus
+the QK-norms as per-head norms; same collectives: two all-reduces per block.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_qwenimage21 import (
-    QwenImage21Attention,
-    QwenImage21SwiGLUFeedForward,
-    QwenImage21Transformer2DModel,
-)
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
 
-from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
-from surgery.extend import Family, SurgeryError
-
-# The attention takes the shared one-stream plan (rewrites/diffusers_common.py): heads split across ranks, one
-# all-reduce for the output projection. gate and up split the hidden units across ranks; `out` all-reduces once.
-FEED_FORWARD_TP_PLAN = {
-    "proj": ColwiseParallel(),
-    "gate_layer": ColwiseParallel(),
-    "out": RowwiseParallel(),
-}
+from surgery.extend import SurgeryError, derived_family
 
 # QwenImage21Transformer2DModel's defaults, which diffusers documents as Qwen-Image 2.1's configuration.
 VARIANTS = {
@@ -103,16 +90,12 @@ TEST_CONFIGS = {
                                   causal_condition=False),
 }
 
-FAMILY = Family(
-    name="qwen-image-2.1",
-    model_class=QwenImage21Transformer2DModel,
+FAMILY = derived_family(
+    "qwen-image-2.1", QwenImage21Transformer2DModel,
     variants=VARIANTS,
     sources="QwenImage21Transformer2DModel's documented defaults (diffusers 0.42.1 transformer_qwenimage21.py)",
     default_variant="qwen-image-2.1",
     example_inputs=example_inputs,
-    tp_plans={QwenImage21Attention: ATTENTION_TP_PLAN, QwenImage21SwiGLUFeedForward: FEED_FORWARD_TP_PLAN},
-    # per block: attention out + feed-forward out (as diffusers' _tp_plan)
-    count_all_reduces=lambda config: 2 * config.get("num_layers", 32),
     test_configs=TEST_CONFIGS,
     shrink_config=reduced,
 )

@@ -11,12 +11,15 @@ import diffusers
 import torch
 import torch.nn as nn
 from parameterized import parameterized
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
 from surgery.app import coverage
 from surgery.core.registry import model_class, tp_plan_for
+from surgery.testing import assert_unchanged, snapshot
+from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.families import all_reduces
 from surgery.parallel.plans import planned_for, transformer_blocks
 from surgery.parallel.derive import (
@@ -45,7 +48,7 @@ def derived_linear_styles(model: nn.Module) -> dict[str, type]:
             plan = projection_plan(child) if is_attention(child) else (
                 tp_plan_for(child)[0] if type(child).__name__ == "FeedForward" else
                 {parts[1]: ColwiseParallel()} if parts else
-                {ff[1]: RowwiseParallel(), **({} if ff[2] else {ff[0]: ColwiseParallel()})} if ff else None)
+                {ff[1]: RowwiseParallel(), **({} if ff[2] else dict.fromkeys(ff[0], ColwiseParallel()))} if ff else None)
             if isinstance(plan, dict):
                 for name, style in plan.items():
                     if isinstance(child.get_submodule(name), nn.Linear):
@@ -54,7 +57,7 @@ def derived_linear_styles(model: nn.Module) -> dict[str, type]:
 
 
 class AgainstDiffusersTpPlan(unittest.TestCase):
-    @parameterized.expand([("flux1",), ("flux2",), ("qwen-image",)])
+    @parameterized.expand([("flux1",), ("flux2",), ("qwen-image",), ("qwen-image-2.1",)])
     def test_derived_styles_equal_diffusers_tp_plan(self, family_name):
         family = W.families()[family_name]
         cls = model_class(family)
@@ -107,6 +110,23 @@ class Refusals(unittest.TestCase):
         plan = derived(attn)
         self.assertIsInstance(plan, Refused)
         self.assertIn("`to_gate` (32 -> 4) has no derivation rule", plan.reason)
+
+    def test_a_per_head_parameter_of_an_attention_is_refused_by_name(self):
+        # Helios with is_amplify_history: its processor scales the history keys by one parameter per head, whole on
+        # every rank; the published Helios transformers leave it off
+        torch.manual_seed(0)
+        config = {**W.families()["helios"].test_configs["tiny"], "is_amplify_history": True}
+        model = surgery.unfuse(diffusers.HeliosTransformer3DModel(**config))
+        plan = derived(model.blocks[0].attn1)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("own parameter `history_key_scale` (4,) has no derivation rule", plan.reason)
+        self.assertIsInstance(derived(model.blocks[0].attn2), dict)  # the cross attention holds none
+        snap = snapshot(model)
+        with fake_process_group(2), self.assertRaises(surgery.SurgeryError) as caught:
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        self.assertIn("no plan derived for 'blocks.0.attn1': its own parameter `history_key_scale`",
+                      str(caught.exception))
+        assert_unchanged(model, snap)
 
 
 if __name__ == "__main__":

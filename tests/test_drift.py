@@ -62,6 +62,19 @@ class Drift(unittest.TestCase):
         with self.assertRaisesRegex(SurgeryError, "Odd.__call__ reshapes by no"):
             leaves.edited_source(Odd)
 
+    def test_the_rule_reads_the_head_count_last_but_one_in_a_longer_view(self):
+        # WanAnimate's face adapter views k/v as `(B, T, N, attn.heads, -1)`, q as `unflatten(2, (attn.heads, -1))`:
+        # counted from diffusers' source here, independently of the rule
+        from diffusers.models.transformers.transformer_wan_animate import WanAnimateFaceBlockAttnProcessor
+
+        source = inspect.getsource(WanAnimateFaceBlockAttnProcessor.__call__)
+        self.assertEqual(source.count("view(B, T, N, attn.heads, -1)"), 2)
+        self.assertEqual(leaves.rule_edits(WanAnimateFaceBlockAttnProcessor), (
+            (leaves.HEADS_BY_COUNT, leaves.HEAD_DIM, 1), (leaves.VIEW_HEADS_LAST, leaves.VIEW_HEAD_DIM_LAST, 2)))
+        edited = leaves.edited_source(WanAnimateFaceBlockAttnProcessor)
+        self.assertEqual(edited.count("view(B, T, N, -1, getattr(attn, 'head_dim', None) or attn.inner_dim // "
+                                      "attn.heads)"), 2)
+
     def test_the_rule_reads_the_older_spelling_by_the_key_width(self):
         # SD3's joint processor: head_dim from the local key width over the stored count, views by the count. Read
         # as the head size from the global widths and views by the heads the local width holds; counted from

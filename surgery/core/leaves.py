@@ -142,6 +142,10 @@ HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads
 NUM_HEADS_BY_COUNT = "attn.num_heads, -1)"
 QUERY_CALL = re.compile(r"\bquery = attn\.(\w+)\(hidden_states\)")
 HEAD_DIM_BY_QUERY = "-1, attn.{query}.out_features // attn.num_heads)"
+# the same reshape written into a longer view, the heads last but one (`key.view(B, T, N, attn.heads, -1)`: WanAnimate's
+# face adapter)
+VIEW_HEADS_LAST = ", attn.heads, -1)"
+VIEW_HEAD_DIM_LAST = ", -1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
 # and a mask that `prepare_attention_mask` repeated once per head (the same mask for each) and the processor views
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
@@ -198,11 +202,12 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
 
-    Three spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (or `attn.num_heads, -1)` with the
-    head size from the query projection's width: Kandinsky 5), and the older processors'
-    `head_dim = inner_dim // attn.heads` from the key's (or the query's) width, then `view(..., attn.heads,
-    head_dim)` and `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors;
-    Lumina2's grouped-query one, whose `attn.heads // kv_heads` is read by the query width too)."""
+    Three spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (also as the last two sizes of a
+    longer `view(..., attn.heads, -1)`; or `attn.num_heads, -1)` with the head size from the query projection's width:
+    Kandinsky 5), and the older processors' `head_dim = inner_dim // attn.heads` from the key's (or the query's)
+    width, then `view(..., attn.heads, head_dim)` and `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's,
+    diffusers' generic processors; Lumina2's grouped-query one, whose `attn.heads // kv_heads` is read by the query
+    width too)."""
     source = inspect.getsource(getattr(stock, method))
     masks = source.count(MASK_BY_COUNT)
     if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
@@ -211,6 +216,8 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     queries = set(QUERY_CALL.findall(source))
     if HEADS_BY_COUNT in source:
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
+        if VIEW_HEADS_LAST in source:
+            edits += ((VIEW_HEADS_LAST, VIEW_HEAD_DIM_LAST, source.count(VIEW_HEADS_LAST)),)
     elif NUM_HEADS_BY_COUNT in source and len(queries) == 1:
         by_query = HEAD_DIM_BY_QUERY.format(query=queries.pop())
         edits = ((NUM_HEADS_BY_COUNT, by_query, source.count(NUM_HEADS_BY_COUNT)),)

@@ -3,7 +3,7 @@
 diffusers builds its DiTs from a few parts, so a module of a transformer block that no family plans is read off:
 
 - an attention (`Attention`, `AttentionModuleMixin`, or any module with an integer `heads` and a `to_q` Linear):
-  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` and `to_add_out` rowwise (one all-reduce each); a q/k norm over
+  `to_q/k/v` and `add_q/k/v_proj` colwise, `to_out.0` (or a Linear `to_out`) and `to_add_out` rowwise (one all-reduce each); a q/k norm over
   `head_dim` acts on each rank's own heads (`per_head_norm`); a norm over the whole width (`rms_norm_across_heads`)
   gets `AcrossHeadsNorm`, whose statistic is one all-reduce of a number per token, never an all-gather of q/k. Its
   processor must split heads by `head_dim` (`surgery.core.leaves`: the twin `unfuse` installs, or a stock processor
@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import runs_twin, under
+from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
@@ -41,7 +41,7 @@ QUERIES = ("to_q", "to_query")
 KEYS = ("to_k", "add_k_proj", "to_key")
 INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_query", "to_key",
                      "to_value")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "out_layer")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_out", "to_add_out", "out_layer")  # `to_out` a Linear itself, not a ModuleList
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "query_norm", "key_norm")
 HEAD_COUNTS = ("heads", "num_heads")
 
@@ -153,14 +153,25 @@ def processor_reads_head_count(processor) -> bool:
         return True  # no source to read: assume the worst
 
 
+def has_twin_rule(processor_class: type) -> bool:
+    """Whether a head-dim twin of a processor class can be built (the processor rule, or edits listed for it)."""
+    try:
+        return edits_for(processor_class) is not None
+    except (OSError, TypeError):  # no source to read
+        return False
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
     processor = getattr(module, "processor", None)
     if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
-        return Refused(f"its processor {type(processor).__name__} reshapes by the stored head count `attn.heads`, and "
-                       "no head-dim twin runs (the processor rule of surgery.core.leaves does not cover it, or "
-                       "surgery.unfuse has not run)")
+        name = type(processor).__name__
+        if not has_twin_rule(type(processor)):
+            return Refused(f"its processor {name} reads the stored head count `attn.heads` beyond the reshapes the "
+                           "processor rule of surgery.core.leaves rewrites, so no head-dim twin of it exists")
+        return Refused(f"its processor {name} reshapes by the stored head count `attn.heads`, and no head-dim twin "
+                       "runs (surgery.unfuse has not run, or no registered family lists this attention class)")
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
@@ -202,6 +213,11 @@ def projection_plan(module: nn.Module) -> dict | Refused:
             plan[name] = AcrossHeadsNorm()
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
+    for name, param in module.named_parameters(recurse=False):
+        # a tensor the processor reads directly (Helios' `history_key_scale`, one scale per head): a rank holding a
+        # share of the heads would need its share of it, which no derived style gives
+        return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
+                       "the processor reads would need this rank's share of the heads)")
     covered = set(plan)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):

@@ -38,8 +38,9 @@ def attention_rewrite(cls: type[nn.Module], extra: tuple[type, ...] = ()) -> Rew
     processors = tuple(p for p in candidates if rule_edits(p) is not None)
     if not processors:
         return None
-    where = f" ({extra[0].__module__.rpartition('.')[2]})" if extra else ""
-    rewrite = swap_rewrite(f"{cls.__name__}{where}: heads by head_dim", cls, processors=Processors(processors),
+    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files)
+    where = (extra[0] if extra else cls).__module__.rpartition('.')[2]
+    rewrite = swap_rewrite(f"{cls.__name__} ({where}): heads by head_dim", cls, processors=Processors(processors),
                            children=dict.fromkeys(QK_NORMS, elementwise_norm))
     # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
     return replace(rewrite, in_checkpoints=False)
@@ -91,14 +92,16 @@ def all_reduces(style) -> int:
 
 
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),
-                   processors: tuple[type, ...] = (), **fields) -> Family:
+                   processors: tuple[type, ...] = (), rewrites: tuple[Rewrite, ...] = (), **fields) -> Family:
     """A `Family` whose rewrites and plans are derived: `attention` lists the model's attention classes (their
     rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none, else the
-    processors defined in the model's own file); `fields` are the data (variants, sources, test configs, example inputs,
-    replicated Linears). Its all-reduce count is read off the derived plan."""
+    processors defined in the model's own file); `rewrites` adds those no rule derives (a fused weight's unfused
+    leaves: which columns read the attention, which rows are which projection, are the family's data); `fields` are
+    the data (variants, sources, test configs, example inputs, replicated Linears). Its plans are derived from the
+    unfused modules and its all-reduce count is read off them."""
     rewrites = tuple(r for r in (attention_rewrite(cls, processors or (
         () if hasattr(cls, "_available_processors") else model_processors(model_class))) for cls in attention)
-        if r is not None)
+        if r is not None) + tuple(rewrites)
     holder: list[Family] = []
     family = Family(name=name, model_class=model_class, rewrites=rewrites,
                     count_all_reduces=lambda config: derived_all_reduces(holder[0], config), **fields)

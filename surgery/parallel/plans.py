@@ -252,8 +252,9 @@ ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
 def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """`(path, block)` for the model's transformer blocks, outermost only: the modules of its `_repeated_blocks`
-    classes where it names them (diffusers' regional-compile list), else the elements of the ModuleLists that are
-    its direct children."""
+    classes (diffusers' regional-compile list) and the elements of the ModuleLists that are its direct children
+    (both: a list may miss a variant's block class, HunyuanVideo-I2V's token-replace blocks, or blocks injected
+    between the others, WanAnimate's face adapters)."""
     names = set(getattr(model, "_repeated_blocks", None) or ())
     lists = {id(child) for child in model.children() if isinstance(child, nn.ModuleList)}
     parents = dict(model.named_modules())
@@ -261,8 +262,7 @@ def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for path, module in model.named_modules():
         if not path or any(path.startswith(p + ".") for p, _ in found):
             continue
-        block = type(module).__name__ in names if names else id(parents[path.rpartition(".")[0]]) in lists
-        if block:
+        if type(module).__name__ in names or id(parents[path.rpartition(".")[0]]) in lists:
             found.append((path, module))
     return found
 
