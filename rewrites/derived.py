@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 from diffusers.models.transformers import transformer_chronoedit as chronoedit
-from diffusers.models.transformers.transformer_ltx import LTXVideoTransformer3DModel
-from diffusers.models.transformers.transformer_ltx2 import LTX2VideoTransformer3DModel
 from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel, WanVACETransformerBlock
 
-from surgery.extend import derived_family, register_refused
+from surgery.extend import derived_family
 from surgery_rewrites.hunyuan_video import video_grid
 
 
@@ -116,10 +114,3 @@ FAMILIES = (
             ("proj_in", "proj_out"), "VACE hint projection of full-width hidden states every rank holds whole")},
     ),
 )
-
-# Classes the derivation reads as shardable but which are not, refused at plan time with the reason.
-ROPE_ACROSS_WIDTH = ("its processor rotates q and k across the whole attention width before splitting heads (cos/sin "
-                     "of heads x head_dim per token): a rank's share of q/k needs its share of cos/sin, which no "
-                     "stock style gives")
-register_refused(LTXVideoTransformer3DModel, ROPE_ACROSS_WIDTH)
-register_refused(LTX2VideoTransformer3DModel, ROPE_ACROSS_WIDTH + "; its gated attention adds per-head gates")

@@ -22,7 +22,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
-from surgery.extend import Family, SurgeryError, processor_writes_in_place, runs_twin
+from surgery.extend import Family, SurgeryError, processor_writes_in_place, qk_norms_per_head, runs_twin
 
 # diffusers' generic `Attention` as QwenImage's double-stream block builds it takes the shared double-stream plan
 # (rewrites/diffusers_common.py): heads split across ranks, one all-reduce per output projection (image and text).
@@ -37,9 +37,10 @@ HEAD_DIM_PROCESSORS = (QwenDoubleStreamAttnProcessor2_0,)
 
 def _splits_by_head_dim(module: nn.Module) -> bool:
     # a twin that writes into a slice of q/k in place (CogView4's rotary) takes the derived plan, whose projections
-    # hand the processor tensors of their own (surgery.parallel.derive.OwnedColwise)
+    # hand the processor tensors of their own (surgery.parallel.derive.OwnedColwise); so does one whose q/k norms
+    # span every head (Sana-Sprint's, Sana-Video's `rms_norm_across_heads`: their statistic, `AcrossHeadsNorm`)
     return type(getattr(module, "processor", None)) in HEAD_DIM_PROCESSORS or (
-        runs_twin(module) and not processor_writes_in_place(module.processor))
+        runs_twin(module) and not processor_writes_in_place(module.processor) and qk_norms_per_head(module))
 
 
 # Qwen/Qwen-Image transformer/config.json (Qwen-Image-Edit and Edit-2509 share it); Edit-2511 adds zero_cond_t.

@@ -27,17 +27,18 @@ from surgery.core.registry import (
     register_family,
     register_refused,
     register_replicated,
+    register_rotary,
 )
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection, SplitRows
-from surgery.parallel.derive import per_head_norm, processor_writes_in_place
+from surgery.parallel.derive import per_head_norm, processor_writes_in_place, qk_norms_per_head
 from surgery.parallel.families import derived_family
 
 __all__ = [
     # describing a family
     "Family", "derived_family", "register_family", "families", "family_of", "build", "register_replicated",
-    "register_refused",
+    "register_refused", "register_rotary",
     # rewrites: a leaf swapped inside the stock class, or a class of its own
     "Rewrite", "swap_rewrite", "Leaf", "rows", "columns", "Processors", "twin", "runs_twin", "translate", "recast",
     "register_edits",
@@ -45,6 +46,6 @@ __all__ = [
     # a rewrite converting a nested module along (the core verbs, without diffusers' bookkeeping)
     "unfuse", "fuse",
     # plans and checks
-    "under", "per_head_norm", "processor_writes_in_place", "SPLIT_PROJECTION_TP_PLAN", "check_hooks", "check_linear", "mesh_sizes_dividing",
+    "under", "per_head_norm", "processor_writes_in_place", "qk_norms_per_head", "SPLIT_PROJECTION_TP_PLAN", "check_hooks", "check_linear", "mesh_sizes_dividing",
     "SurgeryError",
 ]

@@ -30,10 +30,8 @@ from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
 # (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py;
-# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py.)
+# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py; Mochi: rewrites/derived_more.py.)
 HALF_PLANNED = {
-    "MochiTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, num_layers=2,
-                                    pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4),
     "AllegroTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                       num_layers=2, cross_attention_dim=16, caption_channels=16, sample_height=8,
                                       sample_width=8, sample_frames=2),
@@ -100,15 +98,18 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
 
 
 class ExplicitRefusals(unittest.TestCase):
-    def test_ltx2_is_refused_with_its_reason_before_anything_changes(self):
-        # its attention would derive (the processor rule covers it), but q/k are rotated across the whole width
+    def test_a_refused_class_is_refused_with_its_reason_before_anything_changes(self):
+        # LTX-2 shards (rewrites/derived_ltx.py); refused by a registration, it is refused whole, before any change
         torch.manual_seed(0)
         model = surgery.unfuse(diffusers.LTX2VideoTransformer3DModel(**LTX2))
         snap = snapshot(model)
-        with fake_process_group(2):
-            with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: LTX2VideoTransformer3DModel "
-                                                              r"is not sharded: its processor rotates q and k across"):
-                surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        reason = "its processor does something no plan follows"
+        with mock.patch.dict(registry._refused, {diffusers.LTX2VideoTransformer3DModel: reason}):
+            with fake_process_group(2):
+                with self.assertRaisesRegex(surgery.SurgeryError, r"^surgery.tensor_parallel: "
+                                                                  r"LTX2VideoTransformer3DModel is not sharded: its "
+                                                                  r"processor does something no plan follows\.$"):
+                    surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
         assert_unchanged(model, snap)
 
 

@@ -25,6 +25,7 @@ from surgery.parallel.plans import planned_for, transformer_blocks
 from surgery.parallel.derive import (
     AcrossHeadsNorm,
     Refused,
+    RotaryAcrossWidth,
     attention_plan,
     derived,
     feed_forward_parts,
@@ -106,10 +107,81 @@ class Refusals(unittest.TestCase):
         model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
         attn = model.blocks[0].attn1
         self.assertIsInstance(derived(attn), dict)
-        attn.to_gate = nn.Linear(32, 4)
+        attn.to_gate = nn.Linear(32, 3)  # not one output per head (4)
         plan = derived(attn)
         self.assertIsInstance(plan, Refused)
-        self.assertIn("`to_gate` (32 -> 4) has no derivation rule", plan.reason)
+        self.assertIn("`to_gate` (32 -> 3) has no derivation rule", plan.reason)
+
+    def test_a_per_head_gate_is_colwise_with_the_heads_and_one_of_another_input_is_refused(self):
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
+        attn = model.blocks[0].attn1
+        attn.to_gate_logits = nn.Linear(32, 4)  # the query's input -> one logit per head (LTX-2's gated attention)
+        self.assertIs(type(derived(attn)["to_gate_logits"]), ColwiseParallel)
+        attn.to_gate_logits = nn.Linear(16, 4)  # another input: what it reads is not known
+        self.assertIn("`to_gate_logits` (16 -> 4) has no derivation rule", derived(attn).reason)
+
+
+class Rotary(unittest.TestCase):
+    """`RotaryAcrossWidth` against diffusers' own rotations of the whole width: a rank's local q rotated by its share
+    of the tables equals its columns of q rotated whole, for both layouts LTX-2 writes and LTX-Video's."""
+
+    def rotated_share(self, rotate, tables, world, rank, positional=False):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from surgery.parallel.distributed import fake_process_group
+
+        class Rotating(nn.Module):
+            def forward(self, query, query_rotary_emb=None, key_rotary_emb=None):
+                return rotate(query, query_rotary_emb)
+
+        query = torch.randn(2, tables[0].shape[-2] if tables[0].ndim == 4 else tables[0].shape[1], 32,
+                            generator=torch.Generator().manual_seed(rank))
+        width = 32 // world
+        with fake_process_group(world, rank):
+            module = RotaryAcrossWidth("query_rotary_emb", "key_rotary_emb")._apply(
+                Rotating(), init_device_mesh("cpu", (world,)))
+            local = query[..., rank * width:(rank + 1) * width]
+            got = module(local, tables) if positional else module(local, query_rotary_emb=tables)
+        return got, rotate(query, tables)[..., rank * width:(rank + 1) * width]
+
+    def test_split_tables_by_heads_interleaved_by_width(self):
+        from diffusers.models.transformers import transformer_ltx as ltx, transformer_ltx2 as ltx2
+
+        coords = torch.rand(2, 3, 6, 2) * 100
+        cases = [
+            (ltx2.apply_split_rotary_emb,
+             ltx2.LTX2AudioVideoRotaryPosEmbed(dim=32, rope_type="split", num_attention_heads=4)(coords)),
+            (ltx2.apply_interleaved_rotary_emb, ltx2.LTX2AudioVideoRotaryPosEmbed(dim=32)(coords)),
+            # 32 % 6: two padding entries (cos 1, sin 0) lead LTX-Video's tables
+            (ltx.apply_rotary_emb, ltx.LTXVideoRotaryPosEmbed(dim=32)(torch.zeros(2, 6, 32), 1, 2, 3, (0.3, 32, 32))),
+        ]
+        for rotate, tables in cases:
+            for world, rank, positional in ((2, 1, False), (4, 2, True)):
+                got, expected = self.rotated_share(rotate, tables, world, rank, positional)
+                self.assertTrue(torch.equal(got, expected), (rotate.__name__, world, rank))
+
+    def test_tables_the_mesh_cannot_split_like_the_heads_are_refused(self):
+        from diffusers.models.transformers import transformer_ltx2 as ltx2
+
+        tables = ltx2.LTX2AudioVideoRotaryPosEmbed(dim=24, rope_type="split", num_attention_heads=3)(
+            torch.rand(1, 3, 4, 2))
+        with self.assertRaisesRegex(surgery.SurgeryError, r"rotary table of shape \(1, 3, 4, 4\) has 3 entries on "
+                                                          r"dim 1, which a mesh of 2 cannot split"):
+            self.rotated_share(ltx2.apply_split_rotary_emb, tables, 2, 0)
+
+    def test_ltx_attention_plans_name_their_rotary_arguments_and_gates(self):
+        for family_name, config_name, names in (("ltx-video", "tiny", ("image_rotary_emb",)),
+                                                ("ltx-2", "tiny", ("query_rotary_emb", "key_rotary_emb"))):
+            _, _, model = W.make(family_name, config_name)
+            model = surgery.unfuse(model)
+            attention = [m for m in model.modules() if is_attention(m)]
+            self.assertTrue(attention)
+            for attn in attention:
+                plan = derived(attn)
+                self.assertEqual(plan[""].names, names)
+                gates = getattr(attn, "to_gate_logits", None)
+                self.assertEqual("to_gate_logits" in plan, gates is not None)
 
     def test_a_per_head_parameter_of_an_attention_is_refused_by_name(self):
         # Helios with is_amplify_history: its processor scales the history keys by one parameter per head, whole on
@@ -127,6 +199,33 @@ class Refusals(unittest.TestCase):
         self.assertIn("no plan derived for 'blocks.0.attn1': its own parameter `history_key_scale`",
                       str(caught.exception))
         assert_unchanged(model, snap)
+
+
+class SharedParts(unittest.TestCase):
+    def test_norms_across_heads_on_the_shared_attention_take_their_statistic(self):
+        # Sana-Sprint's `rms_norm_across_heads` on diffusers' shared `Attention`: the registered `Attention` plan
+        # (norms per head) declines it, so each norm gets `AcrossHeadsNorm` (weight Shard(0), one all-reduce of a
+        # number per token), not a replicated weight over a width it cannot see whole
+        torch.manual_seed(0)
+        config = W.families()["sana"].test_configs["tiny_sprint"]
+        model = surgery.unfuse(diffusers.SanaTransformer2DModel(**config))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        for attention in ("attn1", "attn2"):
+            plan = plans[f"transformer_blocks.0.{attention}"]
+            self.assertEqual({k for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)}, {"norm_q", "norm_k"})
+        self.assertEqual(sum(all_reduces(s) for p in plans.values() for s in p.values()),
+                         config["num_layers"] * 2 * (1 + 2))  # per block, per attention: to_out.0 and two norms
+
+    def test_the_processor_rule_reads_a_streams_local_width(self):
+        # HiDream's processor takes the head size from its image stream's key (`inner_dim = key_i.shape[-1]`)
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamAttnProcessor
+
+        from surgery.core.leaves import edited_source, rule_edits
+
+        self.assertIsNotNone(rule_edits(HiDreamAttnProcessor))
+        source = edited_source(HiDreamAttnProcessor)
+        self.assertNotIn("attn.heads, head_dim", source)
+        self.assertEqual(source.count("view(batch_size, -1, inner_dim // head_dim, head_dim)"), 6)
 
 
 if __name__ == "__main__":

@@ -114,6 +114,24 @@ class Kandinsky5Names(unittest.TestCase):
                               "out_layer": RowwiseParallel, "query_norm": SequenceParallel,
                               "key_norm": SequenceParallel})
 
+    def test_a_stock_processor_reshaping_by_num_heads_is_refused(self):
+        # Kandinsky 6 SR: the same attention spelling, no registered family, so nothing twins its processor; without
+        # the refusal its `unflatten(-1, (attn.num_heads, -1))` would cut each rank's heads into num_heads pieces
+        from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
+
+        with torch.device("meta"):
+            model = Kandinsky6SRTransformer3DModel(in_visual_dim=4, out_visual_dim=4, time_dim=16, model_dim=32,
+                                                   ff_dim=64, num_visual_blocks=1, axes_dims=(2, 2, 4))
+        with fake_process_group(2):
+            with self.assertRaisesRegex(surgery.SurgeryError, r"Kandinsky6SRAttnProcessor reshapes by the stored "
+                                                              r"head count"):
+                surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (2,)), src_data_rank=None)
+        # Kandinsky 5's stock model (its family registered): refused as not yet unfused
+        family = surgery.extend.families()["kandinsky5"]
+        with fake_process_group(2):
+            with self.assertRaisesRegex(surgery.SurgeryError, r"still a fused Kandinsky5Attention.*surgery\.unfuse"):
+                surgery.tensor_parallel(model_on_meta(family, family.test_configs["tiny"]),
+                                        init_device_mesh("cpu", (2,)), src_data_rank=None)
 
 if __name__ == "__main__":
     unittest.main()

@@ -153,7 +153,8 @@ MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
 # the older spelling: the head size from a local width over the stored count, `head_dim = {width} // attn.heads` with
 # `{width} = key.shape[-1]` (or the query's), wrong on a share of the heads; then views and the merge by the count.
 # Read as the head size from the global widths, the views and the merge by the heads the local width holds.
-LOCAL_WIDTH = re.compile(r"^[ \t]*(\w+) = (query|key)\.shape\[-1\][ \t]*$", re.M)
+# (`key`, or a stream's `key_i`: HiDream's)
+LOCAL_WIDTH = re.compile(r"^[ \t]*(\w+) = (query|key)\w*\.shape\[-1\][ \t]*$", re.M)
 HEAD_DIM_BY_COUNT = "head_dim = {width} // attn.heads"
 HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
 VIEW_BY_COUNT = "attn.heads, head_dim"

@@ -90,6 +90,9 @@ class Family:
     # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
     # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
     replicated: dict = field(default_factory=dict)
+    # attention class -> names of its forward's keyword arguments that carry rotary tables its processor applies
+    # across the whole attention width, before splitting heads (LTX-Video, LTX-2): each rank gets its heads' share
+    rotary: dict = field(default_factory=dict)
     # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
     # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
     # (`surgery plan --pipeline` builds each on meta)
@@ -128,6 +131,7 @@ _tp_when: dict[type[nn.Module] | str, Callable[[nn.Module], bool]] = {}
 _families: dict[str, Family] = {}
 _replicated: dict[type[nn.Module] | str, dict[str, str]] = {}
 _refused: dict[type[nn.Module], str] = {}
+_rotary: dict[type[nn.Module], tuple[str, ...]] = {}
 
 
 def register(*rewrites: Rewrite) -> None:
@@ -181,6 +185,20 @@ def register_refused(cls: type[nn.Module], reason: str) -> None:
     _refused[cls] = reason
 
 
+def register_rotary(cls: type[nn.Module], names: tuple[str, ...]) -> None:
+    """Declare that attention modules of exactly class `cls` take rotary tables in the keyword arguments `names`
+    (each a `(cos, sin)` tuple or None) that their processor applies across the whole attention width, before
+    splitting heads: the derived plan hands each rank its heads' share of them (`surgery.parallel.derive`)."""
+    if isinstance(names, str) or not names:
+        raise ValueError(f"{cls!r}: rotary takes a tuple of keyword-argument names, got {names!r}.")
+    _rotary[cls] = tuple(names)
+
+
+def rotary_inputs_for(module: nn.Module) -> tuple[str, ...]:
+    """The keyword arguments of `module` (by its exact class) that carry rotary tables across its whole width."""
+    return _rotary.get(type(module), ())
+
+
 def refused_reason(model: nn.Module) -> str | None:
     return _refused.get(type(model))
 
@@ -201,6 +219,8 @@ def register_family(family: Family) -> None:
         register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
     for cls, linears in family.replicated.items():
         register_replicated(cls, linears)
+    for cls, names in family.rotary.items():
+        register_rotary(cls, names)
 
 
 def qualified_name(cls: type) -> str:

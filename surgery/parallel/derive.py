@@ -25,24 +25,27 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
+from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
-# diffusers' spellings of an attention's parts, each read as its role so that no family names them: `to_q` or
-# `to_query` (Kandinsky 5's `to_query/to_key/to_value/out_layer`, `query_norm/key_norm`), the head count as `heads` or
+# diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
+# `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),
+# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`; the head count as `heads` or
 # `num_heads`
 QUERIES = ("to_q", "to_query")
 KEYS = ("to_k", "add_k_proj", "to_key")
-INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_query", "to_key",
-                     "to_value")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_out", "to_add_out", "out_layer")  # `to_out` a Linear itself, not a ModuleList
-QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "query_norm", "key_norm")
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t",
+                     "to_query", "to_key", "to_value")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t", "out_layer")  # `to_out` where it is the Linear
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
+            "k_rms_norm_t", "query_norm", "key_norm")
 HEAD_COUNTS = ("heads", "num_heads")
 
 
@@ -76,6 +79,51 @@ class AcrossHeadsNorm(ParallelStyle):
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+class RotaryAcrossWidth(ParallelStyle):
+    """An attention's rotary tables, where its processor rotates q and k across the whole attention width before
+    splitting heads (LTX-Video, LTX-2): column-sharded q/k hold this rank's heads, a contiguous share of the width, so
+    their cos/sin must be the same share. Every rank holds the tables whole (`Replicate`); the module gets its `Shard`
+    of each, a local slice (no communication): a `[batch, tokens, heads x head_dim]` table on its last dim, a
+    `[batch, heads, tokens, head_dim / 2]` one (diffusers' "split" layout, whose processor reads the head count off
+    `cos.shape[1]`) on its heads dim. `names` are the forward's arguments that carry `(cos, sin)` tuples or None.
+
+    Stock `PrepareModuleInput` does the same Replicate -> Shard step for a keyword argument holding one tensor; it
+    refuses these, a tuple of two tensors (and None, for a cross-attention called without rotary), and it would miss
+    one passed by position; so this style binds the forward's signature and maps the step over each tuple."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names = names
+
+    @staticmethod
+    def table_dim(table) -> int:
+        return 1 if table.ndim == 4 else table.ndim - 1
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        signature = inspect.signature(module.forward)
+        where = type(module).__name__
+
+        def local(table):
+            dim = self.table_dim(table)
+            if table.shape[dim] % mesh.size():
+                raise SurgeryError(f"surgery.tensor_parallel: a {where}'s rotary table of shape {tuple(table.shape)} "
+                                   f"has {table.shape[dim]} entries on dim {dim}, which a mesh of {mesh.size()} cannot "
+                                   "split like its heads. Use a mesh size that divides its heads.")
+            whole = DTensor.from_local(table, mesh, (Replicate(),), run_check=False)
+            return whole.redistribute(mesh, (Shard(dim),)).to_local()
+
+        def shares(_, args, kwargs):
+            bound = signature.bind(*args, **kwargs)
+            for name in self.names:
+                tables = bound.arguments.get(name)
+                if tables is not None:
+                    bound.arguments[name] = type(tables)(local(t) for t in tables)
+            return bound.args, bound.kwargs
+
+        module.register_forward_pre_hook(shares, with_kwargs=True)
+        return module
 
 
 class OwnedColwise(ColwiseParallel):
@@ -145,10 +193,22 @@ def norm_width(norm: nn.Module) -> int | None:
     return int(shape[-1] if isinstance(shape, (tuple, list)) or hasattr(shape, "__len__") else shape)
 
 
+def qk_norms_per_head(module: nn.Module) -> bool:
+    """Whether an attention module's q/k norms (where it has any) each normalize one head's `head_dim` features: a
+    shared plan written for per-head norms fits it; a norm across heads needs the derived `AcrossHeadsNorm`."""
+    heads, q = head_count(module), query_projection(module)
+    if heads is None or not isinstance(q, nn.Linear):
+        return True
+    norms = [_child(module, name) for name in QK_NORMS]
+    return all(norm_width(norm) in (None, q.out_features // heads) for norm in norms
+               if norm is not None and not isinstance(norm, nn.Identity))
+
+
 def processor_reads_head_count(processor) -> bool:
     """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
     try:
-        return "attn.heads" in inspect.getsource(type(processor).__call__)
+        source = inspect.getsource(type(processor).__call__)
+        return any(f"attn.{count}" in source for count in HEAD_COUNTS)
     except (OSError, TypeError):
         return True  # no source to read: assume the worst
 
@@ -175,6 +235,9 @@ def attention_plan(module: nn.Module) -> dict | Refused:
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
+    rotary = rotary_inputs_for(module)
+    if rotary and not isinstance(plan, Refused):
+        plan = {**plan, "": RotaryAcrossWidth(*rotary)}
     return plan
 
 
@@ -194,6 +257,10 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     for name in OUTPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
             plan[name] = RowwiseParallel()
+    for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
+        if (name not in plan and isinstance(child, nn.Linear) and child.out_features == heads
+                and child.in_features == q.in_features):
+            plan[name] = ColwiseParallel()
     for name in QK_NORMS:
         norm = _child(module, name)
         if norm is None or isinstance(norm, nn.Identity):
@@ -222,7 +289,7 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
-                           "(not q/k/v, added q/k/v, to_out.0 or to_add_out)")
+                           f"(not one of {', '.join(INPUT_PROJECTIONS + OUTPUT_PROJECTIONS)})")
     for name in KEYS:
         k = _child(module, name)
         if isinstance(k, nn.Linear) and k.out_features % head_dim:

@@ -27,7 +27,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
-from surgery.parallel import quantized as quant
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost

@@ -68,6 +68,10 @@ FILES = {
     "cogview4": {"model": ["tests/models/transformers/test_models_transformer_cogview4.py"]},
     "z-image": {"model": ["tests/models/transformers/test_models_transformer_z_image.py"]},
     "hunyuan-video-1.5": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_1_5.py"]},
+    "chronoedit": {"model": ["tests/models/transformers/test_models_transformer_chronoedit.py"]},
+    "helios": {"model": ["tests/models/transformers/test_models_transformer_helios.py"]},
+    "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
+    "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
