@@ -31,7 +31,7 @@ from surgery.core.checks import check_hooks, check_linear, check_model, mesh_siz
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
-from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
@@ -243,8 +243,9 @@ DERIVED_REPLICATED = {
     "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
 }
 # The same modules written inside a model's own file (CogView4AdaLayerNormZero, HunyuanVideo15AdaNorm, MochiRMSNormZero,
-# Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
-ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation")
+# Kandinsky5Modulation, MochiLayerNormContinuous, ...): known by diffusers' naming of adaptive norms and modulations
+# (`...NormContinuous`: a norm whose scale comes from the conditioning, as AdaLayerNormContinuous's).
+ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation", "NormContinuous")
 # ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
 ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
@@ -396,8 +397,10 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
         registered, check = tp_plan_for(module)
-        if registered is None and check is None and is_attention(module):
-            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
+        if check is None and is_attention(module) and isinstance(query_projection(module), nn.Linear):
+            # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
+            # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
+            check = check_derived_heads
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
