@@ -4,6 +4,7 @@ tensor-parallel ones on each gloo rank of one spawned job per world size."""
 from __future__ import annotations
 
 import copy
+import zlib
 
 import torch
 import torch.nn as nn
@@ -129,11 +130,17 @@ def tp_load_case(rank: int, world: int, family_name: str, config_name: str, seed
     return {"mismatched": mismatched}
 
 
+def case_seed(family_name: str, config_name: str) -> int:
+    """The seed of a sharded case, read off its name: the same on every rank, and unchanged when families are added
+    (a seed by position would redraw every later case's weights)."""
+    return zlib.crc32(f"{family_name}/{config_name}".encode()) % 10_000
+
+
 def run(rank: int, world: int, cases: list[tuple[str, str]], checkpoints: dict) -> dict:
     out = {}
-    for seed, (family_name, config_name) in enumerate(cases):
+    for family_name, config_name in cases:
         key = f"{family_name}/{config_name}"
-        out[key] = tp_case(rank, world, family_name, config_name, seed)
+        out[key] = tp_case(rank, world, family_name, config_name, case_seed(family_name, config_name))
         if key in checkpoints:
             out[key]["load"] = tp_load_case(rank, world, family_name, config_name, *checkpoints[key])
     return out

@@ -52,8 +52,8 @@ def _name(func, num, params):
 
 @functools.lru_cache(maxsize=None)
 def fused_checkpoint(family_name: str, config_name: str) -> str:
-    """A fused diffusers checkpoint of the case's seeded model (seed = its index in TP_CASES), sharded in two files."""
-    seed = TP_CASES.index((family_name, config_name))
+    """A fused diffusers checkpoint of the case's seeded model (`W.case_seed`), sharded in two files."""
+    seed = W.case_seed(family_name, config_name)
     _, _, model = W.make(family_name, config_name, seed)
     folder = ROOT / f"{family_name}-{config_name}"
     size = sum(p.nbytes for p in model.parameters())
@@ -68,9 +68,9 @@ def tp_results(world: int) -> list[dict]:
     if world == 2:
         for family_name, config_name in TP_CASES:
             if W.families()[family_name].rewrites:
-                seed = TP_CASES.index((family_name, config_name))
+                seed = W.case_seed(family_name, config_name)
                 checkpoints[f"{family_name}/{config_name}"] = (seed, fused_checkpoint(family_name, config_name))
-    # one seed per case, the same on every rank (the case's index)
+    # one seed per case, the same on every rank (read off the case's name)
     return run_on_cpu_ranks(W.run, world, cases, checkpoints)
 
 
