@@ -21,8 +21,10 @@ from surgery_rewrites.hunyuan_video import video_grid
 def wan_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
     """Seeded keyword arguments for `WanTransformer3DModel.forward`: a video latent of `image_tokens` patches; for an
-    image-to-video config (`image_dim`), 4 image-embedding tokens, and the text padded to the 512 tokens its cross
-    attention expects (the image tokens are what precedes the last 512)."""
+    image-to-video config (`image_dim`), 16 image-embedding tokens (the published models take CLIP's 257; with very
+    few, the image cross-attention's key gradients are differences of near-equal terms, whose fp32 rounding decides
+    them), and the text padded to the 512 tokens its cross attention expects (the image tokens are what precedes the
+    last 512)."""
     generator = torch.Generator().manual_seed(seed)
     frames, height, width = video_grid(image_tokens)
     p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
@@ -34,7 +36,7 @@ def wan_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens
         encoder_hidden_states=torch.randn(batch, text, config.get("text_dim", 4096), generator=generator),
     )
     if config.get("image_dim"):
-        inputs["encoder_hidden_states_image"] = torch.randn(batch, 4, config["image_dim"], generator=generator)
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 16, config["image_dim"], generator=generator)
     return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
 
 

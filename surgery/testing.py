@@ -42,12 +42,14 @@ __all__ = [
 ]
 
 # The one set of tolerances (max relative error, `rel_err`) every test compares with. fp32: the unfused (and the
-# sharded) model differs from the fused single-device one by summation order only. Measured (world 2, CPU, torch 2.x):
-# outputs 1.4e-7 to 6.0e-7 over the 29 rewriting test configs and the 13 families sharded; gradients (inputs and
-# parameters, each on its module's scale) up to 2.4e-6. Each bound is about 4x the largest measurement, so a real
-# drift (a wrong slice, a missing bias) fails it.
+# sharded) model differs from the fused single-device one by summation order only. Measured (CPU, torch 2.13, the
+# conformance suite's sharded case of each of the 37 families at world 2 and 4): outputs 1.5e-7 to 7.9e-7; gradients
+# (inputs and parameters, each on its module's scale) up to 6.6e-6, and 1.1e-5 for ChronoEdit's image
+# cross-attention (the weight gradients of its q/k norms across heads, sums of products over a few image tokens; the
+# same sharded math in float64 matches to 1e-15, tests/test_derived_ltx.py). Each bound is about 3x the largest
+# measurement; a real drift (a wrong slice, a missing bias, a statistic not all-reduced) moves these by 1e-2 and more.
 FP32_TOL = 2e-6
-FP32_GRAD_TOL = 1e-5
+FP32_GRAD_TOL = 3e-5
 # bf16 keeps 8 bits of mantissa: a split projection summed in another order moves outputs by up to about 1e-2.
 BF16_TOL = 3e-2
 
