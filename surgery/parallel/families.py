@@ -38,8 +38,11 @@ def attention_rewrite(cls: type[nn.Module], extra: tuple[type, ...] = ()) -> Rew
     processors = tuple(p for p in candidates if rule_edits(p) is not None)
     if not processors:
         return None
-    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files)
+    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files);
+    # processors of diffusers' shared file are named one by one (families set different sets of them on `Attention`)
     where = (extra[0] if extra else cls).__module__.rpartition('.')[2]
+    if where == "attention_processor":
+        where = ", ".join(p.__name__ for p in processors)
     rewrite = swap_rewrite(f"{cls.__name__} ({where}): heads by head_dim", cls, processors=Processors(processors),
                            children=dict.fromkeys(QK_NORMS, elementwise_norm))
     # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts

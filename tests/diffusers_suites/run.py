@@ -72,6 +72,7 @@ FILES = {
     "helios": {"model": ["tests/models/transformers/test_models_transformer_helios.py"]},
     "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
+    "auraflow": {"model": ["tests/models/transformers/test_models_transformer_aura_flow.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
