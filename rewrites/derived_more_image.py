@@ -9,8 +9,20 @@ from __future__ import annotations
 import torch
 from diffusers.models.attention_processor import Attention, AuraFlowAttnProcessor2_0, FusedAuraFlowAttnProcessor2_0
 from diffusers.models.transformers.auraflow_transformer_2d import AuraFlowTransformer2DModel
+from diffusers.models.transformers.transformer_hunyuan_video_framepack import (
+    FramepackClipVisionProjection,
+    HunyuanVideoFramepackTransformer3DModel,
+)
+from diffusers.models.transformers.consisid_transformer_3d import (
+    ConsisIDTransformer3DModel,
+    LocalFacialExtractor,
+    PerceiverCrossAttention,
+)
 
 from surgery.extend import derived_family
+from surgery_rewrites.derived_joint import GENERIC, cogvideox_inputs
+from surgery_rewrites.hunyuan_video import REWRITES as HUNYUAN_VIDEO_REWRITES
+from surgery_rewrites.hunyuan_video import example_inputs as hunyuan_video_inputs
 
 
 def _cast(inputs: dict, dtype: torch.dtype, device) -> dict:
@@ -51,5 +63,106 @@ FAMILIES = (
                                    num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=4,
                                    caption_projection_dim=32, joint_attention_dim=16, out_channels=4,
                                    pos_embed_max_size=16)},
+    ),
+)
+
+
+def consisid_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """`cogvideox_inputs` (text padded to `max_text_seq_length`, which the learned positional embedding of an
+    image-to-video config reads) plus, where the config trains the face path (`is_train_face`), the face: its ID
+    embedding and the ViT hidden states of `LFE_num_scale` scales (577 tokens of `LFE_vit_dim` at full size)."""
+    text = config.get("max_text_seq_length", 226) if config.get("use_learned_positional_embeddings") else text_tokens
+    inputs = cogvideox_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text, seed=seed,
+                              dtype=dtype, device=device)
+    if config.get("is_train_face"):
+        generator = torch.Generator().manual_seed(seed + 1)
+        inputs["id_cond"] = torch.randn(batch, config.get("LFE_id_dim", 1280), generator=generator).to(device, dtype)
+        inputs["id_vit_hidden"] = [
+            torch.randn(batch, 5, config.get("LFE_vit_dim", 1024), generator=generator).to(device, dtype)
+            for _ in range(config.get("LFE_num_scale", 5))]
+    return inputs
+
+
+FACE = ("ConsisID's face path: the facial extractor reads the face once per forward (a few dozen tokens), and its "
+        "cross attentions' `to_kv` holds k and v rows fused and their forward splits heads by the stored count; every "
+        "rank holds them whole")
+
+FAMILIES += (
+    derived_family(
+        "consisid", ConsisIDTransformer3DModel, attention=(Attention,), processors=GENERIC,
+        variants={
+            "preview": dict(num_attention_heads=48, attention_head_dim=64, in_channels=32, out_channels=16,
+                            num_layers=42, use_rotary_positional_embeddings=True,
+                            use_learned_positional_embeddings=True, is_train_face=True, is_kps=False),
+        },
+        sources="BestWishYsh/ConsisID-preview transformer/config.json: CogVideoX-5B-I2V's transformer (diffusers "
+        "scripts/convert_cogvideox_to_diffusers.py: 42 layers, 48 heads of 64, image latents concatenated: 32 input "
+        "channels, RoPE and learned positional embeddings) with the face modules at the class defaults "
+        "(cross attention every 2nd block, 16 heads of 128; the facial extractor's 10 layers) and is_train_face on",
+        default_variant="preview",
+        example_inputs=consisid_inputs,
+        # the face cross attention reads LFE_output_dim = 2/3 of the model width: heads of 12
+        test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=12, in_channels=4, out_channels=4,
+                                   time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4,
+                                   sample_height=4, sample_frames=5, max_text_seq_length=8, is_train_face=True,
+                                   is_kps=False, cross_attn_interval=1, cross_attn_dim_head=8, cross_attn_num_heads=2,
+                                   LFE_id_dim=8, LFE_vit_dim=8, LFE_depth=2, LFE_dim_head=8, LFE_num_heads=2,
+                                   LFE_num_id_token=1, LFE_num_querie=2, LFE_output_dim=32, LFE_ff_mult=1,
+                                   LFE_num_scale=2)},
+        replicated={PerceiverCrossAttention: {"to_*": FACE}, LocalFacialExtractor: {"*": FACE}},
+    ),
+)
+
+
+def framepack_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """HunyuanVideo's inputs (`surgery_rewrites.hunyuan_video.example_inputs`) plus what FramePack's sampler adds:
+    the SigLIP image embedding (where the config projects one), the frame index of each latent frame and its
+    three histories (clean latents at full resolution, 2x and 4x coarser ones, which its history embedder patches
+    with 2x and 4x larger kernels) with their frame indices."""
+    inputs = hunyuan_video_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens, seed=seed,
+                                  dtype=dtype, device=device)
+    generator = torch.Generator().manual_seed(seed + 1)
+    video = inputs["hidden_states"]
+    frames, size = video.shape[2], video.shape[3:]
+
+    def latent(count: int) -> torch.Tensor:
+        return torch.randn(batch, video.shape[1], count, *size, generator=generator).to(device, dtype)
+
+    extra = dict(indices_latents=torch.arange(2, 2 + frames))
+    if config.get("has_image_proj"):
+        extra["image_embeds"] = torch.randn(batch, 4, config.get("image_proj_dim", 1152),
+                                            generator=generator).to(device, dtype)
+    if config.get("has_clean_x_embedder"):
+        extra |= dict(latents_clean=latent(1), indices_latents_clean=torch.arange(1),
+                      latents_history_2x=latent(2), indices_latents_history_2x=torch.arange(2, 4) + frames,
+                      latents_history_4x=latent(4), indices_latents_history_4x=torch.arange(4, 8) + frames)
+    return {**inputs, **{k: v.to(device) for k, v in extra.items()}}
+
+
+FAMILIES += (
+    # its blocks are HunyuanVideo's: the hunyuan-video family's rewrites and plans (surgery_rewrites.hunyuan_video)
+    # apply to them as they are
+    derived_family(
+        "hunyuan-video-framepack", HunyuanVideoFramepackTransformer3DModel, rewrites=HUNYUAN_VIDEO_REWRITES,
+        variants={
+            "i2v": dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                        qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                        rope_theta=256.0, rope_axes_dim=(16, 56, 56), image_condition_type=None,
+                        has_image_proj=True, image_proj_dim=1152, has_clean_x_embedder=True),
+        },
+        sources="lllyasviel/FramePackI2V_HY transformer/config.json (diffusers' FramePack docs load it into "
+        "HunyuanVideoFramepackTransformer3DModel: HunyuanVideo's 20 + 40 blocks of 24 heads of 128, the SigLIP "
+        "image projection of 1152 and the history embedder)",
+        default_variant="i2v",
+        example_inputs=framepack_inputs,
+        test_configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                   num_layers=1, num_single_layers=1, num_refiner_layers=1, text_embed_dim=16,
+                                   pooled_projection_dim=8, rope_axes_dim=(2, 2, 4), has_image_proj=True,
+                                   image_proj_dim=16, has_clean_x_embedder=True)},
+        replicated={FramepackClipVisionProjection: dict.fromkeys(
+            ("up", "down"), "the SigLIP image embedding's projection ahead of the blocks (a few image tokens)")},
     ),
 )

@@ -73,6 +73,8 @@ FILES = {
     "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
     "auraflow": {"model": ["tests/models/transformers/test_models_transformer_aura_flow.py"]},
+    "consisid": {"model": ["tests/models/transformers/test_models_transformer_consisid.py"]},
+    "hunyuan-video-framepack": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_video_framepack.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
