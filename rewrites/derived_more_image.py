@@ -7,7 +7,14 @@ latent and a text). Plans, rewrites (head-dim twins of the processors) and all-r
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_processor import Attention, AuraFlowAttnProcessor2_0, FusedAuraFlowAttnProcessor2_0
+from diffusers.models.attention_processor import (
+    AllegroAttnProcessor2_0,
+    Attention,
+    AuraFlowAttnProcessor2_0,
+    FusedAuraFlowAttnProcessor2_0,
+)
+from diffusers.models.transformers.transformer_allegro import AllegroTransformer3DModel
+from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
 from diffusers.models.transformers.auraflow_transformer_2d import AuraFlowTransformer2DModel
 from diffusers.models.transformers.transformer_hunyuan_video_framepack import (
     FramepackClipVisionProjection,
@@ -164,5 +171,81 @@ FAMILIES += (
                                    image_proj_dim=16, has_clean_x_embedder=True)},
         replicated={FramepackClipVisionProjection: dict.fromkeys(
             ("up", "down"), "the SigLIP image embedding's projection ahead of the blocks (a few image tokens)")},
+    ),
+)
+
+
+def allegro_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `AllegroTransformer3DModel.forward`: two latent frames of `image_tokens / 2`
+    patches, the T5 text of `caption_channels` with its padding mask (the last two tokens padding: the cross
+    attention's mask path runs) and a timestep. No rotary tables: the pipeline computes them; the processor applies
+    them per head, after its head split."""
+    generator = torch.Generator().manual_seed(seed)
+    p = config.get("patch_size", 2)
+    height = max(d for d in range(1, int((image_tokens // 2) ** 0.5) + 1) if (image_tokens // 2) % d == 0)
+    mask = torch.ones(batch, text_tokens, dtype=torch.long)
+    mask[:, -2:] = 0
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 4), 2, height * p, image_tokens // 2 // height * p,
+                                  generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("caption_channels", 4096),
+                                          generator=generator),
+        timestep=(torch.rand(batch, generator=generator) * 1000).long(),
+    )
+    return {**_cast(inputs, dtype, device), "encoder_attention_mask": mask.to(device)}
+
+
+FAMILIES += (
+    derived_family(
+        "allegro", AllegroTransformer3DModel, attention=(Attention,), processors=(AllegroAttnProcessor2_0,),
+        variants={"t2v": {}},
+        sources="rhymes-ai/Allegro transformer/config.json: the class defaults (32 layers, 24 heads of 96, cross "
+        "attention 2304 over T5-XXL's 4096; diffusers docs/source/en/api/models/allegro_transformer3d.md loads it)",
+        default_variant="t2v",
+        example_inputs=allegro_inputs,
+        # heads x head size a multiple of 16 (its 3D sin-cos positional embedding)
+        test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                                   num_layers=2, cross_attention_dim=32, sample_width=8, sample_height=8,
+                                   sample_frames=8, caption_channels=16)},
+    ),
+)
+
+
+def glm_image_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `GlmImageTransformer2DModel.forward`: a square latent of `image_tokens` patches,
+    the glyph text features of `text_embed_dim` with a padding mask (the last two tokens padding), the
+    autoregressive prior's token per patch (none dropped), a timestep and the size conditions."""
+    generator = torch.Generator().manual_seed(seed)
+    side = int(image_tokens ** 0.5)
+    p = config.get("patch_size", 2)
+    mask = torch.ones(batch, text_tokens, dtype=torch.long)
+    mask[:, -2:] = 0
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 16), side * p, side * p, generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("text_embed_dim", 1472),
+                                          generator=generator),
+        prior_token_id=torch.randint(0, config.get("prior_vq_quantizer_codebook_size", 16384),
+                                     (batch, side * side), generator=generator),
+        prior_token_drop=torch.zeros(batch, dtype=torch.bool),
+        timestep=(torch.rand(batch, generator=generator) * 1000).long(),
+        target_size=torch.tensor([[side * p * 8.0] * 2] * batch),
+        crop_coords=torch.zeros(batch, 2),
+    )
+    return {**_cast(inputs, dtype, device), "attention_mask": mask.to(device)}
+
+
+FAMILIES += (
+    derived_family(
+        "glm-image", GlmImageTransformer2DModel, attention=(Attention,),
+        variants={"base": {}},
+        sources="zai-org/GLM-Image transformer/config.json: the class defaults (30 layers, 64 heads of 40, glyph text "
+        "1472, the AR prior's 16384-token codebook; diffusers docs/source/en/api/pipelines/glm_image.md loads it)",
+        default_variant="base",
+        example_inputs=glm_image_inputs,
+        test_configs={"tiny": dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+                                   num_attention_heads=4, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                                   prior_vq_quantizer_codebook_size=64)},
     ),
 )

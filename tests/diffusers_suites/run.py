@@ -74,6 +74,8 @@ FILES = {
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
     "auraflow": {"model": ["tests/models/transformers/test_models_transformer_aura_flow.py"]},
     "consisid": {"model": ["tests/models/transformers/test_models_transformer_consisid.py"]},
+    "allegro": {"model": ["tests/models/transformers/test_models_transformer_allegro.py"]},
+    "glm-image": {"model": ["tests/models/transformers/test_models_transformer_glm_image.py"]},
     "hunyuan-video-framepack": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_video_framepack.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
