@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import torch
+import torch.fx.experimental._config
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
@@ -73,7 +74,9 @@ def _calls_on_meta(family: Family, config: dict, model: nn.Module, modules: list
     hooks = [m.register_forward_pre_hook(lambda mod, args: calls.__setitem__(id(mod), calls.get(id(mod), 0) + 1))
              for m in modules]
     try:
-        with torch.no_grad():
+        # a boolean mask index (`x[drop] *= 0`) runs `nonzero`, which meta tensors refuse by default: its count of
+        # elements, not its values, is all a count of module calls needs
+        with torch.no_grad(), torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
             model(**family.example_inputs(config, device="meta"))
     except Exception:  # noqa: BLE001 - a forward that needs real values (.item(), data-dependent shapes)
         return None
