@@ -13,7 +13,14 @@ from diffusers.models.attention_processor import (
     AuraFlowAttnProcessor2_0,
     FusedAuraFlowAttnProcessor2_0,
 )
+from diffusers.models.transformers import transformer_anyflow as anyflow
+from diffusers.models.transformers import transformer_anyflow_far as anyflow_far
 from diffusers.models.transformers.transformer_allegro import AllegroTransformer3DModel
+from diffusers.models.transformers.transformer_ernie_image import (
+    ErnieImageAttention,
+    ErnieImageSingleStreamAttnProcessor,
+    ErnieImageTransformer2DModel,
+)
 from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
 from diffusers.models.transformers.auraflow_transformer_2d import AuraFlowTransformer2DModel
 from diffusers.models.transformers.transformer_hunyuan_video_framepack import (
@@ -27,6 +34,7 @@ from diffusers.models.transformers.consisid_transformer_3d import (
 )
 
 from surgery.extend import derived_family
+from surgery_rewrites.derived import _WAN, _WAN_TINY
 from surgery_rewrites.derived_joint import GENERIC, cogvideox_inputs
 from surgery_rewrites.hunyuan_video import REWRITES as HUNYUAN_VIDEO_REWRITES
 from surgery_rewrites.hunyuan_video import example_inputs as hunyuan_video_inputs
@@ -247,5 +255,101 @@ FAMILIES += (
         test_configs={"tiny": dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
                                    num_attention_heads=4, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
                                    prior_vq_quantizer_codebook_size=64)},
+    ),
+)
+
+
+def ernie_image_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                       dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `ErnieImageTransformer2DModel.forward`: a square latent of `image_tokens`
+    patches, the text features of `text_in_dim` padded to `text_tokens` with each sample's length (the second
+    sample two tokens shorter: the padding mask's path runs) and a timestep."""
+    generator = torch.Generator().manual_seed(seed)
+    side = int(image_tokens ** 0.5) * config.get("patch_size", 1)
+    lengths = torch.tensor([text_tokens - 2 * (i % 2) for i in range(batch)])
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 128), side, side, generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        text_bth=torch.randn(batch, text_tokens, config.get("text_in_dim", 2560), generator=generator),
+    )
+    return {**_cast(inputs, dtype, device), "text_lens": lengths.to(device)}
+
+
+_ERNIE_IMAGE = dict(hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
+                    out_channels=128, patch_size=1, text_in_dim=3072, rope_theta=256, rope_axes_dim=(32, 48, 48),
+                    eps=1e-6, qk_layernorm=True)
+
+FAMILIES += (
+    derived_family(
+        "ernie-image", ErnieImageTransformer2DModel, attention=(ErnieImageAttention,),
+        processors=(ErnieImageSingleStreamAttnProcessor,),
+        variants={"base": _ERNIE_IMAGE, "turbo": _ERNIE_IMAGE},
+        sources="baidu/ERNIE-Image and baidu/ERNIE-Image-Turbo transformer/config.json (36 layers, 32 heads of 128, "
+        "SwiGLU-like feed-forward of 12288, text 3072; the Turbo config adds LoRA fields the class ignores)",
+        default_variant="base",
+        example_inputs=ernie_image_inputs,
+        test_configs={"tiny": dict(hidden_size=32, num_attention_heads=4, num_layers=2, ffn_hidden_size=48,
+                                   in_channels=8, out_channels=8, patch_size=1, text_in_dim=16,
+                                   rope_axes_dim=(4, 2, 2))},
+    ),
+)
+
+
+def anyflow_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `AnyFlowTransformer3DModel.forward` (and the FAR one's): a video latent laid out
+    frames first, `[batch, frames, channels, h, w]`, of `image_tokens` patches in two frames; the flow map's two
+    times per frame (`timestep` t and `r_timestep` r < t); the text. For the FAR model (`chunk_partition` in the
+    config), the frames split into two one-frame chunks, its causal block mask built by the model."""
+    generator = torch.Generator().manual_seed(seed)
+    p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
+    frames = 2
+    per_frame = image_tokens // frames
+    height = max(d for d in range(1, int(per_frame ** 0.5) + 1) if per_frame % d == 0)
+    t = torch.rand(batch, 1, generator=generator).expand(batch, frames) * 1000
+    inputs = dict(
+        hidden_states=torch.randn(batch, frames * p_t, config.get("in_channels", 16), height * p_h,
+                                  per_frame // height * p_w, generator=generator),
+        timestep=t.contiguous(), r_timestep=(t * 0.5).contiguous(),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("text_dim", 4096), generator=generator),
+    )
+    inputs = _cast(inputs, dtype, device)
+    if "chunk_partition" in config:
+        inputs["chunk_partition"] = [1] * frames
+    return inputs
+
+
+# Wan2.1-T2V's transformer/config.json (diffusers scripts/convert_wan_to_diffusers.py) as AnyFlow's conversion loads
+# it, less the keys the AnyFlow classes do not take (qk_norm: their q/k norms are always across heads)
+_ANYFLOW = {**{k: v for k, v in _WAN.items() if k != "qk_norm"}, "in_channels": 16, "gate_value": 0.25,
+            "deltatime_type": "r"}
+_ANYFLOW_1_3B = {**_ANYFLOW, "ffn_dim": 8960, "num_attention_heads": 12, "num_layers": 30}
+_ANYFLOW_14B = {**_ANYFLOW, "ffn_dim": 13824, "num_attention_heads": 40, "num_layers": 40}
+_FAR = dict(full_chunk_limit=3, compressed_patch_size=(1, 4, 4), chunk_partition=(1, 3, 3, 3, 3, 3, 3, 2))
+# heads of 12, as diffusers' AnyFlow tests: the 3D rotary table splits head_dim in three even parts
+_ANYFLOW_TINY = {**{k: v for k, v in _WAN_TINY.items() if k != "freq_dim"}, "attention_head_dim": 12,
+                 "freq_dim": 256, "gate_value": 0.25, "deltatime_type": "r"}
+
+FAMILIES += (
+    derived_family(
+        "anyflow", anyflow.AnyFlowTransformer3DModel, attention=(anyflow.AnyFlowAttention,),
+        variants={"wan2.1-t2v-1.3b": _ANYFLOW_1_3B, "wan2.1-t2v-14b": _ANYFLOW_14B},
+        sources="diffusers scripts/convert_anyflow_to_diffusers.py (VARIANTS: AnyFlow-Wan2.1-T2V-1.3B/14B-Diffusers "
+        "load Wan-AI/Wan2.1-T2V-1.3B/14B-Diffusers' transformer config with gate_value=0.25, deltatime_type='r'; "
+        "those configs: scripts/convert_wan_to_diffusers.py)",
+        default_variant="wan2.1-t2v-14b",
+        example_inputs=anyflow_inputs,
+        test_configs={"tiny": _ANYFLOW_TINY},
+    ),
+    derived_family(
+        "anyflow-far", anyflow_far.AnyFlowFARTransformer3DModel, attention=(anyflow_far.AnyFlowAttention,),
+        variants={"wan2.1-1.3b": {**_ANYFLOW_1_3B, **_FAR}, "wan2.1-14b": {**_ANYFLOW_14B, **_FAR}},
+        sources="diffusers scripts/convert_anyflow_to_diffusers.py (VARIANTS: AnyFlow-FAR-Wan2.1-1.3B/14B-Diffusers: "
+        "Wan-AI/Wan2.1-T2V-1.3B/14B-Diffusers' transformer config with full_chunk_limit=3, compressed_patch_size="
+        "(1, 4, 4), chunk_partition=(1, 3, 3, 3, 3, 3, 3, 2), gate_value=0.25, deltatime_type='r')",
+        default_variant="wan2.1-14b",
+        example_inputs=anyflow_inputs,
+        test_configs={"tiny": {**_ANYFLOW_TINY, "compressed_patch_size": (1, 4, 4), "full_chunk_limit": 3,
+                               "chunk_partition": (1, 1)}},
     ),
 )
