@@ -78,7 +78,6 @@ FILES = {
     "glm-image": {"model": ["tests/models/transformers/test_models_transformer_glm_image.py"]},
     "ernie-image": {"model": ["tests/models/transformers/test_models_transformer_ernie_image.py"]},
     "anyflow": {"model": ["tests/models/transformers/test_models_transformer_anyflow.py"]},
-    "anyflow-far": {"model": ["tests/models/transformers/test_models_transformer_anyflow_far.py"]},
     "prior": {"model": ["tests/models/transformers/test_models_prior.py"]},
     "hunyuan-video-framepack": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_video_framepack.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
