@@ -123,7 +123,7 @@ FAMILIES += (
                                    sample_height=4, sample_frames=5, max_text_seq_length=8, is_train_face=True,
                                    is_kps=False, cross_attn_interval=1, cross_attn_dim_head=8, cross_attn_num_heads=2,
                                    LFE_id_dim=8, LFE_vit_dim=8, LFE_depth=2, LFE_dim_head=8, LFE_num_heads=2,
-                                   LFE_num_id_token=1, LFE_num_querie=2, LFE_output_dim=32, LFE_ff_mult=1,
+                                   LFE_num_id_token=2, LFE_num_querie=8, LFE_output_dim=32, LFE_ff_mult=1,
                                    LFE_num_scale=2)},
         replicated={PerceiverCrossAttention: {"to_*": FACE}, LocalFacialExtractor: {"*": FACE}},
     ),
