@@ -272,13 +272,13 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
 
         from surgery.app import cli
 
-        classes = [diffusers.WanTransformer3DModel, diffusers.AuraFlowTransformer2DModel]
+        classes = [diffusers.WanTransformer3DModel, diffusers.AnyFlowFARTransformer3DModel]
         out = io.StringIO()
         with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
             self.assertEqual(cli.main(["families"]), 0)
         rows = out.getvalue().splitlines()
         wan = W.families()["wan"]
         self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
-        self.assertTrue(rows[3].startswith("| AuraFlowTransformer2DModel |  | refused | 'joint_transformer_blocks.0.attn"
-                                           ".to_q' (Linear in a Attention) has no tensor-parallel plan"), rows[3])
-        self.assertIn("AuraFlowAttnProcessor2_0", rows[3])
+        self.assertTrue(rows[3].startswith("| AnyFlowFARTransformer3DModel |  | refused | 'blocks.0.attn1.to_q' "
+                                           "(Linear in a AnyFlowAttention) has no tensor-parallel plan"), rows[3])
+        self.assertIn("AnyFlowCausalAttnProcessor", rows[3])

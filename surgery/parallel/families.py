@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 
 import torch
+import torch.fx.experimental._config
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
 
@@ -38,8 +39,11 @@ def attention_rewrite(cls: type[nn.Module], extra: tuple[type, ...] = ()) -> Rew
     processors = tuple(p for p in candidates if rule_edits(p) is not None)
     if not processors:
         return None
-    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files)
+    # named by the file of the processors it swaps (diffusers copies a class, `WanAttention`, into other models' files);
+    # processors of diffusers' shared file are named one by one (families set different sets of them on `Attention`)
     where = (extra[0] if extra else cls).__module__.rpartition('.')[2]
+    if where == "attention_processor":
+        where = ", ".join(p.__name__ for p in processors)
     rewrite = swap_rewrite(f"{cls.__name__} ({where}): heads by head_dim", cls, processors=Processors(processors),
                            children=dict.fromkeys(QK_NORMS, elementwise_norm))
     # processors and norm classes swapped, no weight sliced: a checkpoint is the same in both layouts
@@ -71,7 +75,9 @@ def _calls_on_meta(family: Family, config: dict, model: nn.Module, modules: list
     hooks = [m.register_forward_pre_hook(lambda mod, args: calls.__setitem__(id(mod), calls.get(id(mod), 0) + 1))
              for m in modules]
     try:
-        with torch.no_grad():
+        # a boolean mask index (`x[drop] *= 0`) runs `nonzero`, which meta tensors refuse by default: its count of
+        # elements, not its values, is all a count of module calls needs
+        with torch.no_grad(), torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
             model(**family.example_inputs(config, device="meta"))
     except Exception:  # noqa: BLE001 - a forward that needs real values (.item(), data-dependent shapes)
         return None
