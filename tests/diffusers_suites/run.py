@@ -72,6 +72,11 @@ FILES = {
     "helios": {"model": ["tests/models/transformers/test_models_transformer_helios.py"]},
     "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
+    "hunyuan-dit": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_dit.py"]},
+    "latte": {"model": ["tests/models/transformers/test_models_transformer_latte.py"]},
+    "lumina-next": {"model": ["tests/models/transformers/test_models_transformer_lumina.py"]},
+    "easyanimate": {"model": ["tests/models/transformers/test_models_transformer_easyanimate.py"]},
+    "omnigen": {"model": ["tests/models/transformers/test_models_transformer_omnigen.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
