@@ -6,10 +6,14 @@ so only a published config builds them. Plans, rewrites and all-reduce counts ar
 
 from __future__ import annotations
 
+import math
+
 import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 from diffusers.models.transformers.hunyuan_transformer_2d import HunyuanDiT2DModel, HunyuanDiTBlock
+from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
+from diffusers.models.transformers.lumina_nextdit2d import LuminaNextDiT2DModel
 
 from surgery.extend import derived_family
 from surgery_rewrites.derived_joint import GENERIC
@@ -52,6 +56,26 @@ def hunyuan_dit_inputs(config: dict, batch: int = 1, image_tokens: int = 16, tex
                                                                         for t in rotary)}
 
 
+def latte_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `LatteTransformer3DModel.forward`: a video latent of `image_tokens` patches over
+    the config's `video_length` frames (its temporal position table is that long), the T5 text, a timestep."""
+    generator = torch.Generator().manual_seed(seed)
+    frames = config.get("video_length", 16)
+    per_frame = max(1, image_tokens // frames)
+    height = max(d for d in range(1, math.isqrt(per_frame) + 1) if per_frame % d == 0)
+    width = per_frame // height
+    patch = config.get("patch_size", 2)
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 4), frames, height * patch, width * patch,
+                                  generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("caption_channels", 4096),
+                                          generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+    )
+    return {**_cast(inputs, dtype, device), "enable_temporal_attentions": True}
+
+
 # the Tencent-Hunyuan/HunyuanDiT-Diffusers transformer's config.json (DiT-g/2), which diffusers'
 # scripts/convert_hunyuandit_to_diffusers.py loads and edits only in `use_style_cond_and_image_meta_size`
 _HUNYUAN_DIT = dict(num_attention_heads=16, attention_head_dim=88, in_channels=4, patch_size=2,
@@ -85,5 +109,31 @@ FAMILIES = (
         replicated={HunyuanDiTBlock: {
             "skip_linear": "the long skip's projection reads a LayerNorm over cat([hidden, skip]) at full width "
             "(the residual stream every rank holds whole); one per block past the middle (19 of 40), 2 x 1408 -> 1408"}},
+    ),
+    derived_family(
+        "latte", LatteTransformer3DModel, attention=(Attention,), processors=GENERIC,
+        variants={"1": dict(num_attention_heads=16, attention_head_dim=72, in_channels=4, out_channels=8,
+                            num_layers=28, cross_attention_dim=1152, attention_bias=True, sample_size=64,
+                            patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                            norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+                            caption_channels=4096, video_length=16)},
+        sources="maxin-cn/Latte-1 transformer/config.json (Latte-XL/2 for text-to-video: 28 spatial and 28 "
+        "temporal blocks of 16 heads x 72, PixArt-alpha's T5 caption projection; diffusers' Latte pipeline docs)",
+        default_variant="1",
+        example_inputs=latte_inputs,
+        test_configs={"tiny": dict(num_attention_heads=8, attention_head_dim=4, in_channels=4, out_channels=8,
+                                   num_layers=2, cross_attention_dim=32, attention_bias=True, sample_size=8,
+                                   patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                                   norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+                                   caption_channels=16, video_length=2)},
+    ),
+    derived_family(
+        "lumina-next", LuminaNextDiT2DModel, attention=(Attention,), processors=GENERIC,
+        variants={"sft": dict(sample_size=128, patch_size=2, in_channels=4, hidden_size=2304, num_layers=24,
+                              num_attention_heads=32, num_kv_heads=8, multiple_of=256, ffn_dim_multiplier=None,
+                              norm_eps=1e-5, learn_sigma=True, qk_norm=True, cross_attention_dim=2048,
+                              scaling_factor=1.0)},
+        sources="diffusers scripts/convert_lumina_to_diffusers.py (Alpha-VLLM/Lumina-Next-SFT-diffusers)",
+        default_variant="sft",
     ),
 )
