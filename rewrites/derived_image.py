@@ -119,10 +119,6 @@ FAMILIES = (
                                    num_layers=2, num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8,
                                    image_embed_dim=8, rope_axes_dim=(2, 2, 4))},
         replicated={HunyuanVideo15TokenRefiner: {
-            "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)",
-            # diffusers' AttnProcessor2_0 reads `attn.heads` beyond the reshape (its mask), so no twin runs; the
-            # refiner attends over the text tokens only, a small share of the work
-            "token_refiner.refiner_blocks.*.attn.*": "the text token refiner's attention (AttnProcessor2_0 reads "
-            "the head count for its mask; text tokens only)"}},
+            "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)"}},
     ),
 )

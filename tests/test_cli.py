@@ -103,6 +103,19 @@ class Output(unittest.TestCase):
         self.assertIn("colwise (rows)", out)
         self.assertIn("rowwise (columns)", out)
 
+    def test_plan_names_what_a_family_keeps_whole_on_purpose_and_its_bytes(self):
+        # Sana's conv feed-forward: no stock style shards a Conv2d, so every rank holds it whole; the plan says why
+        # and how much. Per block (600M: width 1152, mlp_ratio 2.5): 1x1 up to 2 x 2880 channels with bias, depthwise
+        # 3x3 with bias, 1x1 down without; 28 blocks in bf16
+        code, out = self.run_main("plan", "--model", "sana-600m-1024px", "--tp", "4", "--image-tokens", "256",
+                                  "--text-tokens", "64")
+        self.assertEqual(code, 0)
+        dim, hidden = 1152, 2880
+        per_block = dim * 2 * hidden + 2 * hidden + 2 * hidden * 9 + 2 * hidden + hidden * dim
+        whole = out.split("whole on every rank on purpose:\n")[1].split("\n\n")[0]
+        self.assertIn("transformer_blocks.*.ff.conv_inverted", whole)
+        self.assertIn(f"({28 * per_block * 2 / 2**20:.1f} MiB per rank): a Conv2d feed-forward", whole)
+
     def test_show_plan_prints_a_literal_plan_of_one_block_per_kind(self):
         code, out = self.run_main("plan", "--model", "flux1-dev", "--show-plan")
         self.assertEqual(code, 0)

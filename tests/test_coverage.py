@@ -30,10 +30,8 @@ from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
 # (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py;
-# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py.)
+# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py; Mochi: rewrites/derived_more.py.)
 HALF_PLANNED = {
-    "MochiTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, num_layers=2,
-                                    pooled_projection_dim=16, in_channels=4, text_embed_dim=16, time_embed_dim=4),
     "AllegroTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                       num_layers=2, cross_attention_dim=16, caption_channels=16, sample_height=8,
                                       sample_width=8, sample_frames=2),

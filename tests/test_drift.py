@@ -85,8 +85,9 @@ class Drift(unittest.TestCase):
         views = source.count("batch_size, -1, attn.heads, head_dim")
         self.assertEqual(views, 6)  # q, k, v and the three added projections
         self.assertEqual(leaves.rule_edits(JointAttnProcessor2_0), (
-            (leaves.HEAD_DIM_BY_COUNT, leaves.HEAD_DIM_GLOBAL, 1), (leaves.VIEW_BY_COUNT, leaves.VIEW_BY_WIDTH, views),
-            (leaves.MERGE_BY_COUNT, leaves.MERGE_BY_WIDTH, 1)))
+            (leaves.HEAD_DIM_BY_COUNT.format(width="inner_dim"), leaves.HEAD_DIM_GLOBAL, 1),
+            (leaves.VIEW_BY_COUNT, leaves.VIEW_BY_WIDTH.format(width="inner_dim"), views),
+            (leaves.MERGE_BY_COUNT, leaves.MERGE_BY_WIDTH.format(width="inner_dim"), 1)))
         edited = leaves.edited_source(JointAttnProcessor2_0)
         self.assertNotIn("attn.heads, head_dim", edited)
         self.assertNotIn("attn.heads * head_dim", edited)

@@ -46,9 +46,14 @@ def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None
             model = cls(**config)
     except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as error:
         raise SurgeryError(f"{family.name}: {cls.__name__} cannot be built from this config: {error}") from None
-    # As `from_pretrained(torch_dtype=...)` loads it: the modules diffusers keeps in float32 (FLUX.3's QK-norms) stay
-    # float32, so bytes per rank and the meta forward's dtypes are the published model's.
-    keep = getattr(cls, "_keep_in_fp32_modules", None) or ()
+    # bytes per rank and the meta forward's dtypes are the published model's
+    return keep_in_fp32(model)
+
+
+def keep_in_fp32(model: nn.Module) -> nn.Module:
+    """As `from_pretrained(torch_dtype=...)` loads a model in half precision: the modules diffusers keeps in float32
+    (`_keep_in_fp32_modules`: FLUX.3's QK-norms, Kandinsky 5's time embeddings and modulations) back in float32."""
+    keep = getattr(type(model), "_keep_in_fp32_modules", None) or ()
     if keep and model.dtype in (torch.float16, torch.bfloat16):
         for name, module in model.named_modules():
             if any(k in name.split(".") for k in keep):
@@ -88,4 +93,4 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
                 param.normal_(0.0, param.shape[-1] ** -0.5)
             else:
                 param.normal_(1.0, 0.1)
-    return model.eval()
+    return keep_in_fp32(model).eval()

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
+from surgery.core.prequantized import prequantized_model
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -50,6 +51,8 @@ def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
 
 def check_model(model: nn.Module, verb: str) -> None:
     """Model-wide states that no rewrite can carry over."""
+    if prequantized_model(model):  # GGUF / fp8r weights slice like their layout allows (surgery.core.prequantized)
+        return
     if getattr(model, "is_quantized", False) or getattr(model, "hf_quantizer", None) is not None:
         raise SurgeryError(
             f"surgery.{verb}: '{type(model).__name__}' is quantized; its weights are packed in a quantizer's layout "

@@ -137,6 +137,11 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 # widths (diffusers' generic `Attention` keeps no head_dim).
 HEADS_BY_COUNT = "(attn.heads, -1)"
 HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+# ... or by `attn.num_heads` (Kandinsky 5's `reshape(*shape, attn.num_heads, -1)`, on a module without `inner_dim`):
+# the head size from the width its query projection declares (`out_features`, the whole module's on any rank)
+NUM_HEADS_BY_COUNT = "attn.num_heads, -1)"
+QUERY_CALL = re.compile(r"\bquery = attn\.(\w+)\(hidden_states\)")
+HEAD_DIM_BY_QUERY = "-1, attn.{query}.out_features // attn.num_heads)"
 # the same reshape written into a longer view, the heads last but one (`key.view(B, T, N, attn.heads, -1)`: WanAnimate's
 # face adapter)
 VIEW_HEADS_LAST = ", attn.heads, -1)"
@@ -145,15 +150,41 @@ VIEW_HEAD_DIM_LAST = ", -1, getattr(attn, 'head_dim', None) or attn.inner_dim //
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
 MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
-# the older spelling: the head size from the local key width over the stored count (wrong on a share of the heads),
-# then views by the count. Read as the head size from the global widths, the views by the heads the local width holds.
-LOCAL_WIDTH = re.compile(r"inner_dim = key\w*\.shape\[-1\]")  # `key`, or a stream's `key_i` (HiDream's)
-HEAD_DIM_BY_COUNT = "head_dim = inner_dim // attn.heads"
+# the older spelling: the head size from a local width over the stored count, `head_dim = {width} // attn.heads` with
+# `{width} = key.shape[-1]` (or the query's), wrong on a share of the heads; then views and the merge by the count.
+# Read as the head size from the global widths, the views and the merge by the heads the local width holds.
+# (`key`, or a stream's `key_i`: HiDream's)
+LOCAL_WIDTH = re.compile(r"^[ \t]*(\w+) = (query|key)\w*\.shape\[-1\][ \t]*$", re.M)
+HEAD_DIM_BY_COUNT = "head_dim = {width} // attn.heads"
 HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
 VIEW_BY_COUNT = "attn.heads, head_dim"
-VIEW_BY_WIDTH = "inner_dim // head_dim, head_dim"
+VIEW_BY_WIDTH = "{width} // head_dim, head_dim"
 MERGE_BY_COUNT = "reshape(batch_size, -1, attn.heads * head_dim)"
-MERGE_BY_WIDTH = "reshape(batch_size, -1, inner_dim)"
+MERGE_BY_WIDTH = "reshape(batch_size, -1, {width})"
+# grouped-query attention (Lumina2): query heads per key/value head, `attn.heads // kv_heads` with the kv heads read
+# off the local key width. Where the width is the query's, its heads over the local kv heads: the same ratio on a
+# rank holding heads / N query heads and kv_heads / N kv heads (contiguous shards keep each group whole: query head
+# i attends with kv head i // ratio, and both counts cut at the same multiples of the ratio).
+GROUPS_BY_COUNT = "attn.heads // "
+GROUPS_BY_WIDTH = "{width} // head_dim // "
+
+
+def by_local_width(source: str) -> tuple[tuple[str, str, int], ...] | None:
+    """The older spelling's edits: the one local width whose `head_dim = width // attn.heads` the source holds once."""
+    widths = [m.groups() for m in LOCAL_WIDTH.finditer(source)]
+    for width, projection in widths:
+        head_dim = HEAD_DIM_BY_COUNT.format(width=width)
+        if [w for w, _ in widths].count(width) != 1 or source.count(head_dim) != 1:
+            continue
+        edits = ((head_dim, HEAD_DIM_GLOBAL, 1),
+                 (VIEW_BY_COUNT, VIEW_BY_WIDTH.format(width=width), source.count(VIEW_BY_COUNT)))
+        if MERGE_BY_COUNT in source:
+            edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH.format(width=width), source.count(MERGE_BY_COUNT)),)
+        if projection == "query" and GROUPS_BY_COUNT in source:
+            edits += ((GROUPS_BY_COUNT, GROUPS_BY_WIDTH.format(width=width), source.count(GROUPS_BY_COUNT)),)
+        return edits
+    return None
+
 
 # Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
 # must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
@@ -172,28 +203,33 @@ def rule_edits(stock: type, method: str = "__call__") -> tuple[tuple[str, str, i
     """The processor rule's edits of `stock.<method>`, or None where it does not apply (no reshape by the stored
     head count, or `attn.heads` read elsewhere: the rule cannot tell what that use means on a share of the heads).
 
-    Two spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (also as the last two sizes of a longer
-    `view(..., attn.heads, -1)`), and the older processors'
-    `head_dim = inner_dim // attn.heads` from the key's width, then `view(..., attn.heads, head_dim)` and
-    `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's, diffusers' generic processors)."""
+    Three spellings of the reshape are read: `unflatten(-1, (attn.heads, -1))` (also as the last two sizes of a
+    longer `view(..., attn.heads, -1)`; or `attn.num_heads, -1)` with the head size from the query projection's width:
+    Kandinsky 5), and the older processors' `head_dim = inner_dim // attn.heads` from the key's (or the query's)
+    width, then `view(..., attn.heads, head_dim)` and `reshape(..., attn.heads * head_dim)` (SD3's joint, CogVideoX's,
+    diffusers' generic processors; Lumina2's grouped-query one, whose `attn.heads // kv_heads` is read by the query
+    width too)."""
     source = inspect.getsource(getattr(stock, method))
     masks = source.count(MASK_BY_COUNT)
     if masks and "prepare_attention_mask" not in source:  # a mask of another origin may differ per head
         return None
     mask = ((MASK_BY_COUNT, MASK_ONCE, masks),) if masks else ()
+    queries = set(QUERY_CALL.findall(source))
     if HEADS_BY_COUNT in source:
         edits = ((HEADS_BY_COUNT, HEAD_DIM, source.count(HEADS_BY_COUNT)),)
         if VIEW_HEADS_LAST in source:
             edits += ((VIEW_HEADS_LAST, VIEW_HEAD_DIM_LAST, source.count(VIEW_HEADS_LAST)),)
-    elif len(LOCAL_WIDTH.findall(source)) == 1 and source.count(HEAD_DIM_BY_COUNT) == 1:
-        edits = ((HEAD_DIM_BY_COUNT, HEAD_DIM_GLOBAL, 1), (VIEW_BY_COUNT, VIEW_BY_WIDTH, source.count(VIEW_BY_COUNT)))
-        edits += ((MERGE_BY_COUNT, MERGE_BY_WIDTH, source.count(MERGE_BY_COUNT)),) if MERGE_BY_COUNT in source else ()
+    elif NUM_HEADS_BY_COUNT in source and len(queries) == 1:
+        by_query = HEAD_DIM_BY_QUERY.format(query=queries.pop())
+        edits = ((NUM_HEADS_BY_COUNT, by_query, source.count(NUM_HEADS_BY_COUNT)),)
     else:
-        return None
+        edits = by_local_width(source)
+        if edits is None:
+            return None
     rest = source
     for old, _, _ in edits + mask:
         rest = rest.replace(old, "")
-    return None if "attn.heads" in rest else edits + mask
+    return None if "attn.heads" in rest or "attn.num_heads" in rest else edits + mask
 
 
 def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, int], ...] | None:
@@ -281,6 +317,15 @@ def translate(processor, unfusing: bool):
     return translated
 
 
+def set_processor(attention: nn.Module, processor) -> None:
+    """diffusers' `set_processor` where the attention has it; an attention written as a plain `nn.Module` that calls
+    `self.processor` (Mochi's) takes the attribute."""
+    if hasattr(attention, "set_processor"):
+        attention.set_processor(processor)
+    else:
+        attention.processor = processor
+
+
 @dataclass(frozen=True)
 class Processors:
     """The stock processor classes of some attention modules that need head-dim twins (built on creation)."""
@@ -302,7 +347,7 @@ class Processors:
         if not (self.fused(attention) if unfusing else self.unfused(attention)):
             return attention
         new = recast(attention)
-        new.set_processor(translate(attention.processor, unfusing))
+        set_processor(new, translate(attention.processor, unfusing))
         return new
 
 
@@ -358,7 +403,7 @@ def swap_rewrite(
                 replace[child] = convert(getattr(m, child), unfusing)
         new = recast(m, unfused_class if unfusing else cls, **replace)
         if processors is not None and (processors.fused(m) if unfusing else processors.unfused(m)):
-            new.set_processor(translate(m.processor, unfusing))
+            set_processor(new, translate(m.processor, unfusing))
         return new
 
     return Rewrite(

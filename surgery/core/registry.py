@@ -13,6 +13,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
@@ -96,6 +97,9 @@ class Family:
     # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
     # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
+    # a lower precision the stock forward rounds to even in float32 (Kandinsky 5's rotary casts q/k to bfloat16, and
+    # so their gradients): sharded and whole gradients then agree to that precision only, not float32's
+    rounds_to: torch.dtype | None = None
 
     def __repr__(self) -> str:
         return f"Family({self.name!r}, variants={sorted(self.variants)})"

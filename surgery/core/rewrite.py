@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
+from surgery.core.prequantized import GGUFWeight, adopt_prequantized, check_columns, restore_adopted, sliceable
 from surgery.core.checks import (
     check_hooks,
     check_linear,
@@ -71,7 +72,12 @@ def unfuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     `surgery.core.rewrite.last_report(model)` lists what was rewritten.
     """
     with _collection_paused():
-        return _rewrite(model, unfusing=True, optimizers=_optimizers(optimizer))
+        adopted = adopt_prequantized(model)  # diffusers' GGUF / fp8r Linears as nn.Linears over the same values
+        try:
+            return _rewrite(model, unfusing=True, optimizers=_optimizers(optimizer))
+        except BaseException:
+            restore_adopted(adopted)
+            raise
 
 
 def fuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
@@ -320,7 +326,7 @@ def _check_sources(module: nn.Module, path: str, rewrite: Rewrite, slices: list[
                 f"{rewrite.name} rewrite reads. Was the module edited after it was built?"
             ) from None
         linear_path = _join(path, owner)
-        check_linear(linear, linear_path, verb)
+        check_linear(linear, linear_path, verb, quantized=sliceable)
         check_hooks(linear, linear_path, verb)
 
 
@@ -335,6 +341,9 @@ def _check_fused_shape(module: nn.Module, path: str, fused_name: str, group: lis
             f"{type(module).__name__}'s dimensions give {expected} along dim {dim}. Its attributes "
             "(heads, head_dim, mlp_hidden_dim) no longer describe its weights."
         )
+    if isinstance(tensor, GGUFWeight) and dim == 1:  # a column cut of GGUF bytes must keep whole blocks
+        for s in group:
+            check_columns(tensor, s.start, s.stop, f"surgery.{verb}: '{_join(path, fused_name)}' ({s.unfused})")
 
 
 def _check_parts(module: nn.Module, path: str, fused_name: str, group: list[Slice], verb: str,
@@ -560,7 +569,7 @@ def _release_move(move: _Move, released: list[tuple[torch.Tensor, Callable[[], t
     The old tensor objects stay (a rollback puts back the very same objects); only their storage goes.
     """
     for olds, news, copied in move.quantities:
-        if not copied:
+        if not copied or any(isinstance(t, GGUFWeight) for t in olds):  # frozen GGUF bytes: nothing else holds them
             continue
         dim = move.group[0].dim
         if move.unfusing:

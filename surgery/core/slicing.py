@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ def back_to_back(tensors: list[torch.Tensor], dim: int) -> torch.Tensor | None:
     """The tensor whose consecutive slices along `dim` (0: rows, 1: columns of 2-D tensors) `tensors` are, as a view
     of their one storage; `None` where they do not lie so (another storage, a gap, another dtype or layout)."""
     first = tensors[0]
+    if any(hasattr(t, "__tensor_flatten__") and not isinstance(t, DTensor) for t in tensors):
+        return None  # a quantized weight (a wrapper of inner tensors) has no storage of its own
     if first.is_meta or any(t.dtype != first.dtype or t.device != first.device for t in tensors):
         return None
     storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()

@@ -299,6 +299,8 @@ def pack(leaf: nn.Module, call: Callable | None = None, copy: bool = True) -> bo
     parts = leaf.parts_list()
     if any(type(p) is not nn.Linear for p in parts) or any(p.weight.is_meta for p in parts):
         return False
+    if any(hasattr(local(p.weight), "__tensor_flatten__") for p in parts):  # quantized: each part dequantizes
+        return False
     weights, biases, dim = parts_of(leaf)
     if dim == 0 and len({b is None for b in biases}) > 1:
         return False

@@ -22,7 +22,7 @@ from datetime import timedelta
 import os
 
 from surgery.core.errors import SurgeryError
-from surgery.parallel.quantized import local_parts, torchao_tensor
+from surgery.parallel.quantized import local_parts, quantized
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ def sampled_checksum(tensor: torch.Tensor) -> str:
     """A short digest of `SAMPLE` evenly spaced elements of `tensor` (its bytes, so -0.0 != 0.0 and NaNs count)."""
     if tensor.is_meta:
         return "meta"
-    if torchao_tensor(tensor):  # a quantized weight: its stored values and scales
+    if quantized(tensor):  # a quantized weight: its stored values and scales
         return "+".join(sampled_checksum(part) for part in local_parts(tensor))
     flat = tensor.detach().reshape(-1)
     n = flat.numel()

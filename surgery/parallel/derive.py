@@ -35,12 +35,18 @@ from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
 
-# diffusers' spellings of an attention's projections and q/k norms: its shared `Attention`'s, and the `_t` (text
-# stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's)
-INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t")
-OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t")  # `to_out` where it is the Linear itself
+# diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
+# `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),
+# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`; the head count as `heads` or
+# `num_heads`
+QUERIES = ("to_q", "to_query")
+KEYS = ("to_k", "add_k_proj", "to_key")
+INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t",
+                     "to_query", "to_key", "to_value")
+OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t", "out_layer")  # `to_out` where it is the Linear
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
-            "k_rms_norm_t")
+            "k_rms_norm_t", "query_norm", "key_norm")
+HEAD_COUNTS = ("heads", "num_heads")
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -108,12 +114,16 @@ class RotaryAcrossWidth(ParallelStyle):
             whole = DTensor.from_local(table, mesh, (Replicate(),), run_check=False)
             return whole.redistribute(mesh, (Shard(dim),)).to_local()
 
+        # a name the forward takes through its **kwargs (passed on to the processor) is found there
+        extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
         def shares(_, args, kwargs):
             bound = signature.bind(*args, **kwargs)
             for name in self.names:
-                tables = bound.arguments.get(name)
+                holder = bound.arguments if name in signature.parameters else bound.arguments.get(extra, {})
+                tables = holder.get(name)
                 if tables is not None:
-                    bound.arguments[name] = type(tables)(local(t) for t in tables)
+                    holder[name] = type(tables)(local(t) for t in tables)
             return bound.args, bound.kwargs
 
         module.register_forward_pre_hook(shares, with_kwargs=True)
@@ -154,9 +164,19 @@ class Refused:
     reason: str
 
 
+def head_count(module: nn.Module) -> int | None:
+    """An attention's stored head count (`heads`, or `num_heads`), or None."""
+    return next((n for n in (getattr(module, a, None) for a in HEAD_COUNTS) if isinstance(n, int)), None)
+
+
+def query_projection(module: nn.Module) -> nn.Module | None:
+    """An attention's query projection (`to_q`, or `to_query`), or None."""
+    return next((q for q in (getattr(module, name, None) for name in QUERIES) if q is not None), None)
+
+
 def is_attention(module: nn.Module) -> bool:
     return isinstance(module, (Attention, AttentionModuleMixin)) or (
-        isinstance(getattr(module, "heads", None), int) and isinstance(getattr(module, "to_q", None), nn.Linear))
+        head_count(module) is not None and isinstance(query_projection(module), nn.Linear))
 
 
 def _child(module: nn.Module, path: str) -> nn.Module | None:
@@ -180,8 +200,8 @@ def norm_width(norm: nn.Module) -> int | None:
 def qk_norms_per_head(module: nn.Module) -> bool:
     """Whether an attention module's q/k norms (where it has any) each normalize one head's `head_dim` features: a
     shared plan written for per-head norms fits it; a norm across heads needs the derived `AcrossHeadsNorm`."""
-    heads, q = getattr(module, "heads", None), getattr(module, "to_q", None)
-    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+    heads, q = head_count(module), query_projection(module)
+    if heads is None or not isinstance(q, nn.Linear):
         return True
     norms = [_child(module, name) for name in QK_NORMS]
     return all(norm_width(norm) in (None, q.out_features // heads) for norm in norms
@@ -191,7 +211,8 @@ def qk_norms_per_head(module: nn.Module) -> bool:
 def processor_reads_head_count(processor) -> bool:
     """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
     try:
-        return "attn.heads" in inspect.getsource(type(processor).__call__)
+        source = inspect.getsource(type(processor).__call__)
+        return any(f"attn.{count}" in source for count in HEAD_COUNTS)
     except (OSError, TypeError):
         return True  # no source to read: assume the worst
 
@@ -228,9 +249,9 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     """The styles of an attention module's projections and q/k norms, read off its children, or why there are
     none (a Linear without a rule, a norm of another width, a torch RMSNorm across heads)."""
     cls = type(module).__name__
-    heads = getattr(module, "heads", None)
-    q = getattr(module, "to_q", None)
-    if not isinstance(heads, int) or not isinstance(q, nn.Linear):
+    heads = head_count(module)
+    q = query_projection(module)
+    if heads is None or not isinstance(q, nn.Linear):
         return Refused(f"a {cls} without an integer `heads` and a `to_q` Linear (fused to_qkv? call surgery.unfuse)")
     head_dim = q.out_features // heads
     plan: dict = {}
@@ -273,7 +294,7 @@ def projection_plan(module: nn.Module) -> dict | Refused:
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
                            f"(not one of {', '.join(INPUT_PROJECTIONS + OUTPUT_PROJECTIONS)})")
-    for name in ("to_k", "add_k_proj"):
+    for name in KEYS:
         k = _child(module, name)
         if isinstance(k, nn.Linear) and k.out_features % head_dim:
             return Refused(f"{name} has {k.out_features} features, not whole heads of {head_dim}")
@@ -286,7 +307,7 @@ def single_stream_parts(block: nn.Module) -> tuple[str, str, str] | None:
     width is theirs summed); None for any other module."""
     children = dict(block.named_children())
     for a, attn in children.items():
-        q = getattr(attn, "to_q", None) if is_attention(attn) else None
+        q = query_projection(attn) if is_attention(attn) else None
         if not isinstance(q, nn.Linear) or _child(attn, "to_out") is not None:
             continue
         for m, mlp in children.items():
@@ -358,12 +379,16 @@ def derived(module: nn.Module) -> dict | Refused | None:
 
 
 def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
-    """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong."""
-    head_dim = module.to_q.out_features // module.heads
-    for name in ("to_q", "to_k", "add_q_proj", "add_k_proj"):
+    """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong. Both
+    counts dividing by the mesh also keeps each query group with its key/value head: contiguous shards of `heads / N`
+    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio)."""
+    heads = head_count(module)
+    head_dim = query_projection(module).out_features // heads
+    for name in (*QUERIES, "add_q_proj", *KEYS):
         linear = _child(module, name)
         if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
             count = linear.out_features // head_dim
+            kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"
             raise SurgeryError(
-                f"surgery.tensor_parallel: '{path}.{name}' holds {count} heads of {head_dim}, which a mesh of {world} "
+                f"surgery.tensor_parallel: '{path}.{name}' holds {count} {kind} of {head_dim}, which a mesh of {world} "
                 f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")

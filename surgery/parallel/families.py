@@ -53,7 +53,8 @@ def derived_all_reduces(family: Family, config: dict) -> int:
     styled = [(_sub(model, path, key), all_reduces(style)) for path, _, plan in planned_for(model)
               for key, style in plan.items()]
     calls = _calls_on_meta(family, config, model, [m for m, n in styled if n])
-    return sum(n * (calls.get(id(m), 1) if calls is not None else 1) for m, n in styled)
+    # a planned module the forward never calls (the audio stream SANA-WM's refiner keeps for its checkpoint) makes none
+    return sum(n * (calls.get(id(m), 0) if calls is not None else 1) for m, n in styled)
 
 
 def _sub(model: nn.Module, path: str, key: str) -> nn.Module:

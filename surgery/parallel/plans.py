@@ -26,11 +26,12 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
-from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention
+from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.transformers_plans import stock_plan
@@ -242,8 +243,9 @@ DERIVED_REPLICATED = {
     "diffusers.models.embeddings": "an embedder of inputs every rank holds whole (timestep, pooled text, caption)",
 }
 # The same modules written inside a model's own file (CogView4AdaLayerNormZero, HunyuanVideo15AdaNorm, MochiRMSNormZero,
-# Kandinsky5Modulation, ...): known by diffusers' naming of adaptive norms and modulations.
-ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation")
+# Kandinsky5Modulation, MochiLayerNormContinuous, ...): known by diffusers' naming of adaptive norms and modulations
+# (`...NormContinuous`: a norm whose scale comes from the conditioning, as AdaLayerNormContinuous's).
+ADAPTIVE_NORM_NAMES = ("AdaLayerNorm", "AdaNorm", "NormZero", "Modulation", "NormContinuous")
 # ... or a plain Sequential(SiLU, Linear) the block names so (Z-Image's `adaLN_modulation`)
 ADAPTIVE_NORM_ATTRIBUTES = ("adaln", "modulation")
 
@@ -395,8 +397,10 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
     for path, module, plan in planned:
         registered, check = tp_plan_for(module)
-        if registered is None and check is None and is_attention(module):
-            check = check_derived_heads  # a derived plan: query and key/value heads split evenly
+        if check is None and is_attention(module) and isinstance(query_projection(module), nn.Linear):
+            # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
+            # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
+            check = check_derived_heads
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
@@ -429,13 +433,19 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
 
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
-    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks."""
-    planned = planned_for(model, plan, filter_fn)
-    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
-    # owners are
-    check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
-    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must too
-        check_coverage(model, planned)
+    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
+    `nn.Linear`s over the same bytes (`surgery.core.prequantized`), put back if a check refuses."""
+    adopted = adopt_prequantized(model)
+    try:
+        planned = planned_for(model, plan, filter_fn)
+        # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+        # owners are
+        check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+        if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must
+            check_coverage(model, planned)
+    except BaseException:
+        restore_adopted(adopted)
+        raise
     return planned
 
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor._ops._matrix_ops import mm_strategy
 from torch.distributed.tensor._ops.utils import register_op_strategy
 
 from surgery.core.errors import SurgeryError
+from surgery.core.prequantized import gguf_weight, type_name
 
 
 def torchao_tensor(tensor: torch.Tensor) -> bool:
@@ -36,8 +37,9 @@ def torchao_tensor(tensor: torch.Tensor) -> bool:
 
 
 def quantized(tensor: torch.Tensor) -> bool:
-    """A weight that the sharding here understands (see `check_split` for what it refuses)."""
-    return torchao_tensor(tensor)
+    """A weight that the sharding here understands (see `check_split` for what it refuses): a torchao tensor or a
+    GGUF weight (`surgery.core.prequantized.GGUFWeight`)."""
+    return torchao_tensor(tensor) or gguf_weight(tensor)
 
 
 def _inner(tensor: torch.Tensor) -> tuple[dict[str, torch.Tensor], object]:
@@ -50,6 +52,8 @@ def _inner_placements(tensor: torch.Tensor, dim: int, world: int, path: str) -> 
     layout whose blocks a cut would split."""
     inner, _ = _inner(tensor)
     size = tensor.shape[dim]
+    if gguf_weight(tensor):
+        return _gguf_placements(tensor, dim, world, path)
     placements = {}
     for name, part in inner.items():
         if isinstance(part, DTensor):
@@ -85,9 +89,29 @@ def _inner_placements(tensor: torch.Tensor, dim: int, world: int, path: str) -> 
     return placements
 
 
+def _gguf_placements(tensor: torch.Tensor, dim: int, world: int, path: str) -> dict[str, object]:
+    """A GGUF weight's bytes are cut like the weight: whole byte rows (colwise), or each row's bytes at a block
+    boundary (rowwise), refused where this rank's columns would end inside a block."""
+    if isinstance(tensor.qdata, DTensor):
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' holds a GGUF weight that is already sharded (its bytes are a DTensor). "
+            "Shard a model loaded whole."
+        )
+    size = tensor.shape[dim]
+    if dim == 1 and (size // world) % tensor.block:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' is GGUF {type_name(tensor.ggml_type)}, quantized in blocks of "
+            f"{tensor.block} input columns; a mesh of {world} cuts its {size} columns into shards of {size // world}, "
+            f"inside a block. Use a mesh size whose shard is a multiple of {tensor.block} (here: "
+            f"{[n for n in range(1, world + 1) if size % n == 0 and (size // n) % tensor.block == 0]}), or a checkpoint "
+            "with smaller blocks (Q8_0 / Q4_0: 32 columns)."
+        )
+    return {"qdata": Shard(dim)}
+
+
 def check_split(tensor: torch.Tensor, dim: int, world: int, path: str) -> None:
     """Refuses, with the module and the numbers, a quantized weight that cannot be cut along `dim` over `world`."""
-    if not torchao_tensor(tensor):
+    if not quantized(tensor):
         raise SurgeryError(
             f"surgery.tensor_parallel: '{path}' holds a {type(tensor).__module__}.{type(tensor).__name__}, a "
             "quantized layout surgery cannot cut. Quantize with torchao (Int8WeightOnlyConfig, "
@@ -121,7 +145,7 @@ def mesh_of(tensor: torch.Tensor):
     tensors; None for a whole weight."""
     if isinstance(tensor, DTensor):
         return tensor.device_mesh
-    if torchao_tensor(tensor):
+    if quantized(tensor):
         return next((p.device_mesh for p in _inner(tensor)[0].values() if isinstance(p, DTensor)), None)
     return None
 
@@ -130,7 +154,7 @@ def local_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors this rank holds for `tensor`: its local shard, or a quantized tensor's inner tensors' shards."""
     if isinstance(tensor, DTensor):
         return local_parts(tensor.to_local())
-    if torchao_tensor(tensor):
+    if quantized(tensor):
         return [part for inner in _inner(tensor)[0].values() if inner is not None for part in local_parts(inner)]
     return [tensor]
 

@@ -60,8 +60,11 @@ def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank
         for name, param in list(linear.named_parameters(recurse=False)):
             if quant.quantized(param):
                 placement = placements[name][0]
-                sharded = quant.shard_quantized(param.detach(), placement, mesh, src_data_rank,
-                                                f"{key}.{name}", place)
+                if quant.mesh_of(param) is not None:  # read as this rank's cut (load_tensor_parallel): as it is
+                    sharded = param.detach()
+                else:
+                    sharded = quant.shard_quantized(param.detach(), placement, mesh, src_data_rank,
+                                                    f"{key}.{name}", place)
                 aside.append((linear, name, nn.Parameter(sharded, requires_grad=False)))
                 pieces = torch.empty(param.shape, device="meta").chunk(mesh.size(), placement.dim)
                 stand_in = DTensor.from_local(pieces[mesh.get_local_rank()], mesh, (placement,), run_check=False)

@@ -93,6 +93,9 @@ def plan_text(name: str, p: dict) -> str:
                    ["parameter", "count", "placement", "global shape", "local shape", "per rank"]),
         "placement: colwise = output rows split over the ranks (ColwiseParallel), rowwise = input columns split\n"
         "(RowwiseParallel), replicated = whole on every rank; per rank: bytes of all `count` (MiB = 2^20, GiB = 2^30)",
+        *(["", "whole on every rank on purpose:"] + [
+            f"  {', '.join(w['modules'][:3])}{' ...' if len(w['modules']) > 3 else ''} ({mb(w['bytes'])} per rank): "
+            f"{w['reason']}" for w in p.get("declared_whole", ())] if p.get("declared_whole") else []),
         "",
         f"collectives per forward (batch {tokens['batch']}, {tokens['image']} image + {tokens['text']} text tokens): "
         f"{c['total']} ({', '.join(f'{n} {op}' for op, n in c['ops'].items()) or 'none'})"

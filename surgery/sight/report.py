@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from fnmatch import fnmatchcase
 from typing import Any, Iterator
 
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 from surgery.core.build import default_dtype, model_on_meta, resolve_config  # noqa: F401  (plan builds on meta)
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import Family, model_class, resolve_model
+from surgery.core.registry import Family, model_class, replicated_for, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.context_parallel import context_parallel
@@ -77,6 +78,26 @@ def tp_layout(model: nn.Module) -> list[dict]:
             "bytes": part.numel() * part.element_size(),
         })
     return rows
+
+
+def declared_whole(model: nn.Module) -> list[dict]:
+    """What a family keeps whole on every rank on purpose, with its reason (`Family.replicated` /
+    `register_replicated`: Linears, and modules no stock style shards, like Sana's conv feed-forward): one row per
+    reason, with the module kinds it covers (block index as `*`) and the bytes each rank holds of them."""
+    owners: dict[str, str] = {}  # parameter -> reason (a parameter matched twice is counted once)
+    kinds: dict[str, list[str]] = {}
+    for path, module in model.named_modules():
+        for pattern, reason in replicated_for(module).items():
+            for key, child in module.named_modules():
+                if key and fnmatchcase(key, pattern):
+                    full = ".".join(p for p in (path, key) if p)
+                    kind = block_kind(full)
+                    if kind not in kinds.setdefault(reason, []):
+                        kinds[reason].append(kind)
+                    owners.update({f"{full}.{n}": reason for n, _ in child.named_parameters()})
+    params = dict(model.named_parameters())
+    return [{"modules": kinds[reason], "reason": reason,
+             "bytes": sum(local(params[n]).nbytes for n, r in owners.items() if r == reason)} for reason in kinds]
 
 
 def block_kind(path: str) -> str:
@@ -290,6 +311,7 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         unfuse(model)
         tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
         layout = tp_layout(model)
+        whole = declared_whole(model)
         try:
             inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
                                            dtype=dtype, device="meta")
@@ -307,6 +329,7 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         "bytes_per_rank": sum(r["bytes"] for r in layout),
         "replicated_bytes": sum(r["bytes"] for r in layout if not r["sharded"]),
         "sharded_bytes": sum(r["bytes"] * tp for r in sharded),
+        "declared_whole": whole,
         "layout": layout,
         "collectives": collectives,
         "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch},

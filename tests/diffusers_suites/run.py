@@ -71,6 +71,8 @@ FILES = {
     "chronoedit": {"model": ["tests/models/transformers/test_models_transformer_chronoedit.py"]},
     "helios": {"model": ["tests/models/transformers/test_models_transformer_helios.py"]},
     "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
+    "ltx-video": {"model": ["tests/models/transformers/test_models_transformer_ltx.py"]},
+    "ltx-2": {"model": ["tests/models/transformers/test_models_transformer_ltx2.py"]},
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
     "hunyuan-dit": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_dit.py"]},
     "latte": {"model": ["tests/models/transformers/test_models_transformer_latte.py"]},
@@ -97,6 +99,12 @@ FILES = {
         "pipeline": ["tests/pipelines/bria_fibo/test_pipeline_bria_fibo.py",
                      "tests/pipelines/bria_fibo_edit/test_pipeline_bria_fibo_edit.py"],
     },
+    "sana": {"model": ["tests/models/transformers/test_models_transformer_sana.py"]},
+    "sana-video": {"model": ["tests/models/transformers/test_models_transformer_sana_video.py"]},
+    "hidream": {"model": ["tests/models/transformers/test_models_transformer_hidream.py"]},
+    "lumina2": {"model": ["tests/models/transformers/test_models_transformer_lumina2.py"]},
+    "mochi": {"model": ["tests/models/transformers/test_models_transformer_mochi.py"]},
+    "kandinsky5": {"pipeline": ["tests/pipelines/kandinsky5/test_kandinsky5.py"]},
     # plans-only families: `unfuse` changes no module, so both runs must agree exactly (a check of the plugin)
     "qwen-image": {
         "model": ["tests/models/transformers/test_models_transformer_qwenimage.py"],
