@@ -108,7 +108,7 @@ _HUNYUAN_DIT = dict(num_attention_heads=16, attention_head_dim=88, in_channels=4
                     mlp_ratio=4.3637, learn_sigma=True, cross_attention_dim=1024, norm_type="layer_norm",
                     cross_attention_dim_t5=2048, pooled_projection_dim=1024, text_len=77, text_len_t5=256)
 
-_HUNYUAN_DIT_TINY = dict(num_attention_heads=8, attention_head_dim=4, in_channels=4, patch_size=2, sample_size=8,
+_HUNYUAN_DIT_TINY = dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, patch_size=2, sample_size=8,
                          hidden_size=32, mlp_ratio=2.0, cross_attention_dim=16, cross_attention_dim_t5=16,
                          pooled_projection_dim=8, text_len=4, text_len_t5=6, use_style_cond_and_image_meta_size=True)
 
