@@ -11,7 +11,9 @@ from diffusers.models.attention_processor import (
     Attention,
     AttnProcessor2_0,
     CogVideoXAttnProcessor2_0,
+    HunyuanAttnProcessor2_0,
     JointAttnProcessor2_0,
+    LuminaAttnProcessor2_0,
 )
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXTransformer3DModel
@@ -127,7 +129,8 @@ def cogview3plus_inputs(config: dict, batch: int = 1, image_tokens: int = 16, te
 
 
 # diffusers' generic `Attention` lists no processors (each model sets its own); one rewrite of it for every family here
-GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0)
+GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0, HunyuanAttnProcessor2_0,
+           LuminaAttnProcessor2_0)
 
 _SD3 = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, attention_head_dim=64,
             joint_attention_dim=4096, pooled_projection_dim=2048)

@@ -82,6 +82,11 @@ FILES = {
     "anyflow": {"model": ["tests/models/transformers/test_models_transformer_anyflow.py"]},
     "prior": {"model": ["tests/models/transformers/test_models_prior.py"]},
     "hunyuan-video-framepack": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_video_framepack.py"]},
+    "hunyuan-dit": {"model": ["tests/models/transformers/test_models_transformer_hunyuan_dit.py"]},
+    "latte": {"model": ["tests/models/transformers/test_models_transformer_latte.py"]},
+    "lumina-next": {"model": ["tests/models/transformers/test_models_transformer_lumina.py"]},
+    "easyanimate": {"model": ["tests/models/transformers/test_models_transformer_easyanimate.py"]},
+    "omnigen": {"model": ["tests/models/transformers/test_models_transformer_omnigen.py"]},
     "hunyuan-image": {"pipeline": ["tests/pipelines/hunyuan_image_21/test_hunyuanimage.py"]},
     "longcat-image": {"model": ["tests/models/transformers/test_models_transformer_longcat_image.py"]},
     "motif-video": {
