@@ -194,22 +194,16 @@ def from_parameter(param: torch.Tensor, dtype: torch.dtype) -> GGUFWeight:
     return GGUFWeight(data, param.quant_type, shape, dtype)
 
 
-def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Replace each of `model`'s diffusers `GGUFLinear`s by a plain `nn.Linear` holding a `GGUFWeight` over the same
-    bytes (no copy; the same dequantization and product). Returns what `restore_adopted` puts back (the verbs do when
-    they refuse, so a refused call leaves the model as it was); empty for a model without GGUF Linears."""
-    try:
-        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # needs the optional gguf package
-    except ImportError:  # no gguf package: no model holds GGUF Linears
-        return []
+def _adopt(model: nn.Module, match, weight_of) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace each module `match` accepts by a plain `nn.Linear` of its shape holding `weight_of(module)` and its
+    bias; returns `(parent, name, module)` for `restore_adopted`."""
     swaps = []
     for path, module in list(model.named_modules()):
-        if not isinstance(module, GGUFLinear) or not isinstance(module.weight, GGUFParameter):
+        if not match(module):
             continue
-        dtype = module.compute_dtype or (module.bias.dtype if module.bias is not None else torch.float32)
         with torch.device("meta"):
             linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-        linear.weight = nn.Parameter(from_parameter(module.weight, dtype), requires_grad=False)
+        linear.weight = nn.Parameter(weight_of(module), requires_grad=False)
         if module.bias is not None:
             linear.bias = module.bias
         linear.train(module.training)
@@ -220,13 +214,23 @@ def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     return swaps
 
 
+def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Replace each of `model`'s diffusers `GGUFLinear`s by a plain `nn.Linear` holding a `GGUFWeight` over the same
+    bytes (no copy; the same dequantization and product). Returns what `restore_adopted` puts back (the verbs do when
+    they refuse, so a refused call leaves the model as it was); empty for a model without GGUF Linears."""
+    try:
+        from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter  # needs the optional gguf package
+    except ImportError:  # no gguf package: no model holds GGUF Linears
+        return []
+    return _adopt(
+        model, lambda m: isinstance(m, GGUFLinear) and isinstance(m.weight, GGUFParameter),
+        lambda m: from_parameter(m.weight, m.compute_dtype or (m.bias.dtype if m.bias is not None else torch.float32)))
+
+
 def restore_adopted(swaps: list[tuple[nn.Module, str, nn.Module]]) -> None:
-    """Put back the `GGUFLinear`s `adopt_gguf` replaced."""
+    """Put back the Linears `adopt_gguf` / `adopt_fp8r` replaced."""
     for parent, name, module in reversed(swaps):
         setattr(parent, name, module)
-
-
-
 
 
 def adopt_fp8r(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -241,24 +245,9 @@ def adopt_fp8r(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
         from torchao.quantization import Float8Tensor  # optional: torchao's float8 layout
     except ImportError:  # no such Linears, or nothing to hold them in
         return []
-    swaps = []
-    for path, module in list(model.named_modules()):
-        if type(module) is not BFLFP8RLinear:
-            continue
-        dtype = module.compute_dtype or torch.float32
-        with torch.device("meta"):
-            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
-        weight = Float8Tensor(module.weight.detach(), module.weight_scale.detach().float().reshape(-1, 1),
-                              block_size=[1, module.in_features], dtype=dtype)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        if module.bias is not None:
-            linear.bias = module.bias
-        linear.train(module.training)
-        owner, _, name = path.rpartition(".")
-        parent = model.get_submodule(owner)
-        setattr(parent, name, linear)
-        swaps.append((parent, name, module))
-    return swaps
+    return _adopt(model, lambda m: type(m) is BFLFP8RLinear, lambda m: Float8Tensor(
+        m.weight.detach(), m.weight_scale.detach().float().reshape(-1, 1), block_size=[1, m.in_features],
+        dtype=m.compute_dtype or torch.float32))
 
 
 def adopt_prequantized(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
