@@ -32,9 +32,11 @@ from surgery.testing import assert_unchanged, snapshot
 # (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py;
 # CogView4, HunyuanVideo-1.5: rewrites/derived_image.py; Mochi: rewrites/derived_more.py.)
 HALF_PLANNED = {
-    "AllegroTransformer3DModel": dict(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
-                                      num_layers=2, cross_attention_dim=16, caption_channels=16, sample_height=8,
-                                      sample_width=8, sample_frames=2),
+    # its FeedForwards have the shared plan; its attention's processor reads the head count beyond the reshapes
+    "StableAudioDiTModel": dict(sample_size=8, in_channels=4, num_layers=2, attention_head_dim=8,
+                                num_attention_heads=2, num_key_value_attention_heads=1, out_channels=4,
+                                cross_attention_dim=16, time_proj_dim=16, global_states_input_dim=16,
+                                cross_attention_input_dim=16),
 }
 
 LTX2 = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
@@ -88,8 +90,9 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
         assert_unchanged(model, snap)
 
     def test_a_literal_plan_or_a_filter_names_what_stays_whole(self):
-        model = tiny("AllegroTransformer3DModel")
-        literal = {"transformer_blocks.*.ff.net.0.proj": ColwiseParallel(),
+        model = tiny("StableAudioDiTModel")  # its SwiGLU unfused: gate and up rows as two Linears
+        literal = {"transformer_blocks.*.ff.net.0.proj_up": ColwiseParallel(),
+                   "transformer_blocks.*.ff.net.0.proj_gate": ColwiseParallel(),
                    "transformer_blocks.*.ff.net.2": RowwiseParallel()}
         self.assertEqual(len(checked_plan(model, literal, None, 2)), 2)
         self.assertEqual(len(checked_plan(model, None, lambda m, fqn: True, 2)), 2)
