@@ -224,7 +224,7 @@ class ShowPlan(unittest.TestCase):
         self.assertEqual(exit_.exception.code, 1)
         line = stderr.getvalue().strip()
         self.assertEqual(len(line.splitlines()), 1)
-        self.assertRegex(line, r"^surgery plan: .*8 attention heads, which a mesh of 3 cannot split")
+        self.assertRegex(line, r"^surgery plan: .* 8 heads of 8, which a mesh of 3 cannot split")
 
 
 class OnTwoRanks(unittest.TestCase):

@@ -13,24 +13,30 @@ import surgery_rewrites  # noqa: F401  (registers the families)
 
 
 def published() -> list[str]:
-    return [family.model_name(variant) for family in families().values() for variant in family.variants]
+    """The published variants of the families that shard (a family registered with published configs only, such as
+    Lumina-Next and OmniGen, is refused at plan time: tests/test_coverage.py)."""
+    return [family.model_name(variant) for family in families().values() if family.test_configs
+            for variant in family.variants]
 
 
 class EveryVariant(unittest.TestCase):
     def test_int8_every_published_variant_tp_1_to_8(self):
         for name in published():
             family, config = report.resolve_config(name)
-            # bf16 bytes of every parameter (a model may keep some in fp32: count each at two bytes)
-            bf16 = 2 * sum(p.numel() for p in report.model_on_meta(family, config, torch.bfloat16).parameters())
+            # bf16 bytes of every parameter (a model may keep some in fp32: count each at two bytes), and of the
+            # Linear weights int8 halves (Sana's convolutions stay bf16)
+            model = report.model_on_meta(family, config, torch.bfloat16)
+            bf16 = 2 * sum(p.numel() for p in model.parameters())
+            linear = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
             rows = report.quantized_plan(name, range(1, 9), "int8")["rows"]
             self.assertEqual([r["tp"] for r in rows], list(range(1, 9)), name)
             for row in rows:
                 self.assertTrue((row["bytes_per_rank"] is None) != (row["refused"] is None), (name, row))
-            # TP 1 holds the whole model: block weights at one byte instead of two, so between half and all of bf16
+            # TP 1 holds the whole model: Linear weights at one byte instead of two (plus a scale per row)
             whole = rows[0]["bytes_per_rank"]
             self.assertIsNotNone(whole, name)
-            self.assertLess(whole, 0.6 * bf16, name)
-            self.assertGreater(whole, 0.5 * bf16, name)
+            self.assertLess(whole, bf16 - 0.4 * linear, name)
+            self.assertGreaterEqual(whole, bf16 - 0.5 * linear, name)
             # more ranks, fewer bytes each
             sizes = [r["bytes_per_rank"] for r in rows if r["bytes_per_rank"] is not None]
             self.assertEqual(sizes, sorted(sizes, reverse=True), name)
@@ -52,7 +58,7 @@ class Command(unittest.TestCase):
         lines = out.getvalue().splitlines()
         self.assertIn("GiB per rank", lines[0])
         self.assertEqual([line.split(":")[0].strip() for line in lines[1:]], [f"TP {n}" for n in range(1, 9)])
-        self.assertIn("48 attention heads", lines[5])  # TP 5
+        self.assertIn("48 heads of 128, which a mesh of 5 cannot split", lines[5])  # TP 5
 
     def test_plan_quant_at_one_tp_matches_bf16_plan_minus_halved_linear_weights(self):
         bf16 = report.plan("flux2-klein-9b", 8)
