@@ -107,7 +107,7 @@ class DiffusersAPI(unittest.TestCase):
 class Refusals(unittest.TestCase):
     EXPECTED = {
         "fused": r"'transformer_blocks.0.ff' is still a fused Flux2FeedForward .*Call surgery.unfuse\(model\) first",
-        "heads": r"'transformer_blocks.0.attn' has 5 attention heads, which a mesh of 2 cannot split evenly.*\[1, 5\]",
+        "heads": r"'transformer_blocks.0.attn.to_q' holds 5 heads of 12, which a mesh of 2 cannot split evenly.*\[1, 5\]",
         "mlp_hidden": r"'transformer_blocks.0.ff.linear_in.gate' has 161 output features, which a mesh of 2 cannot",
         "twice": r"'transformer_blocks.0.attn.to_q.weight' is already sharded .*applied already",
         "peft": r"'transformer_blocks.0.attn.to_q' is wrapped by a PEFT/LoRA adapter",

@@ -178,7 +178,7 @@ class WholePipelines(unittest.TestCase):
         report = {r["component"]: r for r in ranks(2)[0]["pipelines"]["flux1"]["report"]}
         self.assertFalse(report["vae"]["sharded"])
         # the VAE's one-head mid-block attention: derived plan, but no mesh of 2 splits one head
-        self.assertIn("1 attention heads, which a mesh of 2 cannot split", report["vae"]["reason"])
+        self.assertIn("holds 1 heads of 16, which a mesh of 2 cannot split", report["vae"]["reason"])
         self.assertTrue(report["text_encoder"]["sharded"])  # CLIP: the literal plan of rewrites/clip.py
         self.assertIn("not a torch module", report["tokenizer_2"]["reason"])
 
