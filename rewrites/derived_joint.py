@@ -48,20 +48,26 @@ def sd3_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens
 def cogvideox_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
     """Seeded keyword arguments for `CogVideoXTransformer3DModel.forward`: a latent video of `image_tokens` patches
-    (frames of 2 x 2), text of `text_embed_dim`, a timestep, and for a RoPE config (`use_rotary_positional_embeddings`)
-    the 3D rotary cos/sin of its grid, as the pipeline computes them (one per token, head_dim wide)."""
+    (frames of 2 x 2; a config with a learned positional embedding, which takes only its published grid, gets that
+    grid), text of `text_embed_dim`, a timestep, and for a RoPE config (`use_rotary_positional_embeddings`) the 3D
+    rotary cos/sin of its grid, as the pipeline computes them (one per token, head_dim wide)."""
     generator = torch.Generator().manual_seed(seed)
-    p, side = config.get("patch_size", 2), 2
-    frames = max(1, image_tokens // (side * side))
+    p = config.get("patch_size", 2)
+    if config.get("use_learned_positional_embeddings"):
+        frames = (config.get("sample_frames", 49) - 1) // config.get("temporal_compression_ratio", 4) + 1
+        rows, cols = config.get("sample_height", 60) // p, config.get("sample_width", 90) // p
+    else:
+        rows = cols = 2
+        frames = max(1, image_tokens // (rows * cols))
     inputs = dict(
-        hidden_states=torch.randn(batch, frames, config.get("in_channels", 16), side * p, side * p,
+        hidden_states=torch.randn(batch, frames, config.get("in_channels", 16), rows * p, cols * p,
                                   generator=generator),
         encoder_hidden_states=torch.randn(batch, text_tokens, config.get("text_embed_dim", 4096), generator=generator),
         timestep=(torch.rand(batch, generator=generator) * 1000).long(),
     )
     inputs = _cast(inputs, dtype, device)
     if config.get("use_rotary_positional_embeddings"):
-        cos, sin = get_3d_rotary_pos_embed(config.get("attention_head_dim", 64), ((0, 0), (side, side)), (side, side),
+        cos, sin = get_3d_rotary_pos_embed(config.get("attention_head_dim", 64), ((0, 0), (rows, cols)), (rows, cols),
                                            frames)
         inputs["image_rotary_emb"] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
     return inputs
