@@ -131,9 +131,14 @@ def write_gguf(model, path: Path, kind: str, only: str | None = None) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
-    (path.parent / "config.json").write_text(json.dumps({"_class_name": type(model).__name__, **config}))
+    write_config(model, path.parent)
     return path
+
+
+def write_config(model, folder: Path) -> None:
+    """The model's config.json in `folder`, as `from_single_file(config=folder)` reads it."""
+    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
+    (folder / "config.json").write_text(json.dumps({"_class_name": type(model).__name__, **config}))
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32):
@@ -166,8 +171,7 @@ def write_fp8(model, path: Path) -> Path:
         else:
             out[name] = value
     save_file(out, str(path))
-    config = {k: v for k, v in dict(model.config).items() if not k.startswith("_")}
-    (path.parent / "config.json").write_text(json.dumps({"_class_name": type(model).__name__, **config}))
+    write_config(model, path.parent)
     return path
 
 
