@@ -37,6 +37,7 @@ import secrets
 import torch.distributed.checkpoint as dcp
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import real_attributes, real_slices, trims
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
 from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import Staged, destination, staged_folder
@@ -53,7 +54,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def _checkpoint_slices(model: nn.Module) -> list[Slice]:
-    return weight_slices(model)
+    with real_attributes(model):  # zero heads padded by tensor_parallel(..., pad_heads=True) are never saved
+        return real_slices(weight_slices(model), trims(model))
 
 
 def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
@@ -154,6 +156,33 @@ class _FileTensors:
             return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
+class _RealHeads:
+    """`source` with the zero heads of a padded model cut off (`surgery.core.heads_padding.trims`): the real rows of
+    q/k/v, the real columns of the output projections."""
+
+    def __init__(self, source, trims: dict[str, tuple[int, int]]):
+        self.source, self.trims = source, trims
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        dtype, shape = self.source.meta(name)
+        if name in self.trims:
+            dim, real = self.trims[name]
+            shape = (*shape[:dim], real, *shape[dim + 1:])
+        return dtype, shape
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name not in self.trims:
+            return self.source.read(name, rows)
+        dim, real = self.trims[name]
+        if dim == 0:  # the real rows come first: a block of them is a block of the padded tensor's
+            start, stop, _ = (rows or slice(None)).indices(real)
+            return self.source.read(name, slice(start, stop))
+        return self.source.read(name, rows).narrow(dim, 0, real).contiguous()
+
+
 def _entries(source, slices: list[Slice]) -> list[Entry]:
     """Every tensor of the fused layout, in the fused model's order, each joined from its parts in `source`."""
     entries: list[Entry] = []
@@ -212,7 +241,8 @@ def save_pretrained(
         target = _check(model, folder, max_shard_size)
         slices = _checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
-            write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            source = _RealHeads(_ModelTensors(model.state_dict()), trims(model))
+            write_checkpoint(staged, _entries(source, slices), max_shard_size, variant)
             model.save_config(staged)
         return target
     return _save_sharded(model, folder, max_shard_size, variant)
@@ -308,7 +338,8 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
         del state_dict
         if rank == 0:
             slices = _checkpoint_slices(model)
-            write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            source = _RealHeads(_FileTensors(tmp / "dcp", order), trims(model))
+            write_checkpoint(tmp, _entries(source, slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
             (tmp / marker).unlink()
             model.save_config(tmp)
