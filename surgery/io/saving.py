@@ -37,9 +37,9 @@ import secrets
 import torch.distributed.checkpoint as dcp
 
 from surgery.core.errors import SurgeryError
-from surgery.core.heads_padding import real_attributes, real_slices, trims
+from surgery.core.heads_padding import trims
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
-from surgery.core.state_dict import weight_slices
+from surgery.core.state_dict import checkpoint_slices
 from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
@@ -51,11 +51,6 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
 
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
-
-
-def _checkpoint_slices(model: nn.Module) -> list[Slice]:
-    with real_attributes(model):  # zero heads padded by tensor_parallel(..., pad_heads=True) are never saved
-        return real_slices(weight_slices(model), trims(model))
 
 
 def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
@@ -88,7 +83,7 @@ def fused_layout(model: nn.Module) -> Iterator[None]:
 
     A state-dict hook on `model` only, removed on exit: nobody else sees fused keys.
     """
-    slices = _checkpoint_slices(model)
+    slices = checkpoint_slices(model)
 
     def hook(module, state_dict, prefix, local_metadata):
         names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
@@ -239,7 +234,7 @@ def save_pretrained(
     """
     if not is_sharded(model):
         target = _check(model, folder, max_shard_size)
-        slices = _checkpoint_slices(model)
+        slices = checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
             source = _RealHeads(_ModelTensors(model.state_dict()), trims(model))
             write_checkpoint(staged, _entries(source, slices), max_shard_size, variant)
@@ -337,7 +332,7 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
         dcp.save(state_dict, storage_writer=writer)
         del state_dict
         if rank == 0:
-            slices = _checkpoint_slices(model)
+            slices = checkpoint_slices(model)
             source = _RealHeads(_FileTensors(tmp / "dcp", order), trims(model))
             write_checkpoint(tmp, _entries(source, slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")

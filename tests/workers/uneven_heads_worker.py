@@ -126,10 +126,90 @@ def check_case(rank, world, mesh, name, config, folder) -> dict:
     return result
 
 
+# the double-stream attention's projections: rows (q/k/v) and columns (outputs) that meet zero heads
+LORA_ROWS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+LORA_COLUMNS = ("to_out.0", "to_add_out")
+
+
+def _lora_padded(model, real: int) -> dict[str, tuple[int, torch.Tensor]]:
+    """Each factor's part that meets a zero head, read off the names and the real width (not the padding records):
+    lora_B's rows past `real` of a q/k/v, lora_A's columns past `real` of an output projection."""
+    out = {}
+    for n, p in model.named_parameters():
+        if ".lora_" not in n:
+            continue
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if ".lora_B." in n and any(f".{r}.lora_B." in n for r in LORA_ROWS):
+            out[n] = full[real:]
+        elif ".lora_A." in n and any(f".{c}.lora_A." in n for c in LORA_COLUMNS):
+            out[n] = full[:, real:]
+    return out
+
+
+def check_lora(rank, mesh, name, config, folder) -> dict:
+    """An adapter trained on the padded sharded model: zero where it meets zero heads, before and after a step;
+    saved as the stock adapter that stock diffusers loads with the same outputs; loaded back onto a padded model."""
+    from peft import LoraConfig
+
+    family = families()[name]
+    fused = seeded_model(family, config, 21)
+    kw = _inputs(name, config, 21)
+    real = config["num_attention_heads"] * config["attention_head_dim"]
+    model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh, pad_heads=True)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=[*LORA_ROWS, *LORA_COLUMNS]), adapter_name="x")
+    surgery.lora.shard_lora(model)
+    result = {"after_shard_lora": max(t.abs().max().item() for t in _lora_padded(model, real).values())}
+    # trained-looking factors: random where they meet real heads, the same on every rank
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_" in n:
+                full = torch.randn(p.shape, generator=generator) * 0.3
+                p.copy_(_placed(full, p))
+        padded = _lora_padded(model, real)
+        for n, p in model.named_parameters():
+            if n in padded:
+                mask = torch.ones(p.shape)
+                (mask[real:] if ".lora_B." in n else mask[:, real:]).zero_()
+                p.mul_(_placed(mask, p))
+    # one training step on the adapter alone: the zero parts stay zero
+    for n, p in model.named_parameters():
+        p.requires_grad_(".lora_" in n)
+    out = _forward(model, kw)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(6))).sum().backward()
+    torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1).step()
+    result["after_step"] = max(t.abs().max().item() for t in _lora_padded(model, real).values())
+    with torch.no_grad():
+        ours = _forward(model, kw)
+    model.save_lora_adapter(folder, adapter_name="x")
+    dist.barrier()
+    stock = copy.deepcopy(fused)
+    stock.load_lora_adapter(folder, prefix=None, adapter_name="x", weight_name="pytorch_lora_weights.safetensors")
+    with torch.no_grad():
+        expected = _forward(stock, kw)
+    result["saved -> stock"] = rel_err(ours, expected)
+    again = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh, pad_heads=True)
+    again.load_lora_adapter(folder, prefix=None, adapter_name="x", weight_name="pytorch_lora_weights.safetensors")
+    with torch.no_grad():
+        result["stock -> padded load"] = rel_err(_forward(again, kw), expected)
+    return result
+
+
+def _placed(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`full` laid out as `like` (a DTensor's placements: this rank's chunk), or itself."""
+    if not isinstance(like, DTensor):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
 def run(rank: int, world: int, folder: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for i, (name, config) in enumerate(CASES[world]):
         out[name] = check_case(rank, world, mesh, name, config, f"{folder}/{name}-{i}")
         dist.barrier()
+    if world == 3:
+        out["lora"] = check_lora(rank, mesh, "flux2", CASES[3][0][1], f"{folder}/lora")
     return out
