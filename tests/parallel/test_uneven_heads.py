@@ -82,3 +82,101 @@ class World4(World3):
 @pytest.mark.heavy
 class World5(World3):
     world = 5
+
+
+# --- one process: the padding itself, fuse, save, refusals and the plan's cost ----------------------------------------
+
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+
+import surgery  # noqa: E402
+from surgery.core import heads_padding  # noqa: E402
+from surgery.core.build import seeded_model  # noqa: E402
+from surgery.core.registry import families  # noqa: E402
+from surgery.parallel.distributed import fake_process_group  # noqa: E402
+from surgery.parallel.padding import head_paddings  # noqa: E402
+from surgery.parallel.plans import block_path, planned_for  # noqa: E402
+from surgery.sight import report  # noqa: E402
+from surgery.testing import rel_err  # noqa: E402
+
+FLUX2_6 = uneven_heads_worker.CASES[4][0][1]
+
+
+def padded(model, world):
+    """`model` padded in place as tensor_parallel(..., pad_heads=True) pads it for `world` ranks, unsharded."""
+    found = head_paddings(model, planned_for(model), world, lambda path: block_path(model, path)[0])
+    for p in found:
+        heads_padding.pad(model.get_submodule(p.block), [p.padding])
+    return model, found
+
+
+def forward(model, kw):
+    with torch.no_grad():
+        return model(**kw, return_dict=False)[0]
+
+
+class Unsharded(unittest.TestCase):
+    def setUp(self):
+        self.family = families()["flux2"]
+        self.fused = seeded_model(self.family, FLUX2_6, 3)
+        self.kw = self.family.example_inputs(FLUX2_6, batch=2, seed=3)
+
+    def test_padded_forward_is_the_stock_one_and_unpad_gives_the_values_back(self):
+        model = surgery.unfuse(copy.deepcopy(self.fused))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        _, found = padded(model, 4)
+        self.assertEqual({p.padding.heads for p in found}, {(6, 8)})
+        self.assertEqual(model.transformer_blocks[0].attn.to_q.weight.shape[0], 64)
+        self.assertLessEqual(rel_err(forward(model, self.kw), forward(self.fused, self.kw)), FP32_TOL)
+        heads_padding.unpad(model)
+        after = model.state_dict()
+        self.assertTrue(all(torch.equal(before[k], after[k]) for k in before))
+        self.assertEqual(heads_padding.padded_blocks(model), [])
+
+    def test_grouped_query_heads_keep_their_key_value_head(self):
+        family = families()["lumina2"]
+        config = family.test_configs["tiny"]  # 8 query heads over 4 key/value heads
+        stock = seeded_model(family, config, 4)
+        kw = family.example_inputs(config, batch=2, seed=4)
+        model, found = padded(surgery.unfuse(copy.deepcopy(stock)), 3)
+        self.assertEqual({(p.padding.heads, p.padding.kv_heads) for p in found}, {((8, 12), (4, 6))})
+        self.assertLessEqual(rel_err(forward(model, kw), forward(stock, kw)), FP32_TOL)
+
+    def test_fuse_and_save_give_the_stock_model_bitwise(self):
+        for verb in ("fuse", "save"):
+            model, _ = padded(surgery.unfuse(copy.deepcopy(self.fused)), 4)
+            if verb == "fuse":
+                back = surgery.fuse(model)
+            else:
+                with tempfile.TemporaryDirectory() as folder:
+                    surgery.save_pretrained(model, folder)
+                    back = type(self.fused).from_pretrained(folder)
+            want, got = self.fused.state_dict(), back.state_dict()
+            self.assertEqual(list(want), list(got), verb)
+            self.assertTrue(all(want[k].shape == got[k].shape and torch.equal(want[k], got[k]) for k in want), verb)
+
+    def test_across_heads_norm_refused_model_untouched(self):
+        family = families()["wan"]  # q/k norms over the whole width: their statistic would count zero heads
+        model = surgery.unfuse(seeded_model(family, family.test_configs["tiny"], 0))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with fake_process_group(3):
+            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (3,))
+            with self.assertRaisesRegex(surgery.SurgeryError, "norm_q' normalizes 32 features across the heads"):
+                surgery.tensor_parallel(model, mesh, pad_heads=True)
+        after = model.state_dict()
+        self.assertTrue(all(torch.equal(before[k], after[k]) for k in before))
+        self.assertEqual(heads_padding.padded_blocks(model), [])
+
+    def test_plan_shows_the_cost_per_rank(self):
+        result = report.plan(FLUX2_6, 4, family=self.family, dtype=torch.float32, image_tokens=16, text_tokens=8)
+        dim, extra = 48, (8 - 6) * 8  # model width; zero heads x head_dim
+        # double-stream: 6 q/k/v projections (rows) and 2 outputs (columns); single-stream: 3 and 1
+        elements = FLUX2_6["num_layers"] * 8 * extra * dim + FLUX2_6["num_single_layers"] * 4 * extra * dim
+        pad = result["padding"]
+        self.assertEqual(pad["heads"], [(6, 8)])
+        self.assertEqual(pad["bytes_per_rank"], elements * 4 // 4)
+        self.assertEqual(pad["projection_flops_per_token_per_rank"], 2 * elements // 4)
+        attentions = FLUX2_6["num_layers"] + FLUX2_6["num_single_layers"]
+        self.assertEqual(pad["attention_flops_per_token_per_key_per_rank"], attentions * 2 * 4 * 8 // 4)
+        self.assertEqual(result["heads"], [(0, 2), (2, 4), (4, 6), (6, 6)])
