@@ -18,9 +18,7 @@ The padding is found and checked by `surgery.parallel.padding`; this module only
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -127,26 +125,6 @@ def unpad(model: nn.Module) -> nn.Module:
         for padding in reversed(paddings):
             unpad_one(block, padding)
     return model
-
-
-@contextmanager
-def real_attributes(model: nn.Module) -> Iterator[None]:
-    """While inside, every padded attention's attributes (`heads`, `inner_dim`, ...) hold their real values: what a
-    family's checkpoint slices are computed from."""
-    blocks = padded_blocks(model)
-    for _, block, paddings in blocks:
-        for padding in paddings:
-            attention = block.get_submodule(padding.attention)
-            for name, (real, _) in padding.attributes.items():
-                setattr(attention, name, real)
-    try:
-        yield
-    finally:
-        for _, block, paddings in blocks:
-            for padding in paddings:
-                attention = block.get_submodule(padding.attention)
-                for name, (_, padded) in padding.attributes.items():
-                    setattr(attention, name, padded)
 
 
 def trims(model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
-from surgery.core.heads_padding import real_attributes, real_slices, trims
+from surgery.core.heads_padding import real_slices, trims
 from surgery.core.walk import find_modules
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 
@@ -30,8 +30,7 @@ def weight_slices(model: nn.Module) -> list[Slice]:
 def checkpoint_slices(model: nn.Module) -> list[Slice]:
     """`weight_slices` of the checkpoint `model` saves: a model padded with zero heads
     (`tensor_parallel(..., pad_heads=True)`) at its real heads, the zero ones never written."""
-    with real_attributes(model):
-        return real_slices(weight_slices(model), trims(model))
+    return real_slices(weight_slices(model), trims(model))
 
 
 def _missing(state_dict: Mapping[str, torch.Tensor], keys: list[str], layout: str) -> None:

@@ -168,6 +168,19 @@ class Unsharded(unittest.TestCase):
         self.assertTrue(all(torch.equal(before[k], after[k]) for k in before))
         self.assertEqual(heads_padding.padded_blocks(model), [])
 
+    def test_a_later_refusal_puts_the_heads_back(self):
+        config = {**FLUX2_6, "mlp_ratio": 3.0}  # 144 MLP units, which 5 ranks do not split: refused after padding
+        model = surgery.unfuse(seeded_model(self.family, config, 0))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with fake_process_group(5):
+            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (5,))
+            with self.assertRaisesRegex(surgery.SurgeryError, "has 144 output features"):
+                surgery.tensor_parallel(model, mesh, pad_heads=True)
+        after = model.state_dict()
+        self.assertTrue(all(before[k].shape == after[k].shape and torch.equal(before[k], after[k]) for k in before))
+        self.assertEqual(heads_padding.padded_blocks(model), [])
+        self.assertEqual((model.transformer_blocks[0].attn.heads, model.transformer_blocks[0].attn.inner_dim), (6, 48))
+
     def test_plan_shows_the_cost_per_rank(self):
         result = report.plan(FLUX2_6, 4, family=self.family, dtype=torch.float32, image_tokens=16, text_tokens=8)
         dim, extra = 48, (8 - 6) * 8  # model width; zero heads x head_dim
