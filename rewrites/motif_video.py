@@ -34,8 +34,13 @@ from diffusers.models.transformers.transformer_motif_video import (
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
-from surgery_rewrites.longcat_image import balanced_rope_axes, flux_like_rewrites
+from surgery_rewrites.diffusers_common import (
+    ATTENTION_TP_PLAN,
+    DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    HEAD_NORM,
+    balanced_rope_axes,
+    flux_like_rewrites,
+)
 from surgery.extend import Family, Processors, SPLIT_PROJECTION_TP_PLAN, swap_rewrite, under
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import conformance_worker as W
 import surgery
-from surgery_rewrites.flux1 import FluxSplitQKVAttention
+from surgery_rewrites.flux import FluxSplitQKVAttention
 from surgery.parallel.distributed import fake_process_group
 from surgery.testing import assert_unchanged, rel_err, snapshot
 from surgery.core.walk import find_modules

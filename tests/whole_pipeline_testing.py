@@ -24,7 +24,7 @@ def flux1_pipeline(seed: int = 0):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from surgery_rewrites.flux1 import small
+    from surgery_rewrites.flux import small
 
     clip_tok, t5_tok = _tokenizer(16), _tokenizer()
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@ and attention that splits heads by head size so that it runs column-sharded.
 diffusers' `HunyuanImageAttnProcessor` reshapes with the stored head count (`unflatten(2, (attn.heads, -1))`), which is
 wrong on a rank that holds `heads / N` of them; its twin is the stock source with `unflatten(2, (-1, attn.inner_dim // attn.heads))`.
 The token refiner's `Attention` runs diffusers' generic `AttnProcessor2_0`, whose head-dim twin (the processor rule,
-installed by the generic `Attention` rewrite of rewrites/derived_joint.py) shards it like any derived attention; its
+installed by the generic `Attention` rewrite of the families whose processors are `diffusers_common.GENERIC`) shards it like any derived attention; its
 feed-forward is sharded by the shared `FeedForward` plan.
 """
 
