@@ -30,7 +30,7 @@ FAMILY = derived_family(
         "tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=16,
                      text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4, sample_frames=5,
                      max_text_seq_length=8),
-        # CogVideoX-5b's RoPE: sharded under no_grad only (tests/test_derived_joint.py): under autograd torch
+        # CogVideoX-5b's RoPE: sharded under no_grad only (tests/families/test_cogvideox.py): under autograd torch
         # refuses the processor's in-place write of the rotated q/k into the per-head norm's output (a view
         # DTensor's to_local returns). The 3D RoPE splits head_dim in quarters and eighths, each even: 16 at least
         "tiny_rope": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,

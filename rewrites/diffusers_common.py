@@ -276,7 +276,7 @@ LTX2_TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention
 # The configs the suite shards in fp32: one block, heads of 16, no attention biases. The seeded biases (about 1 each)
 # dominate q and k, whose norm across heads then cancels most of them, and heads of 4 or 8 average little: the q/k
 # gradients moved by up to 1.1e-5 under a mere change of summation order (measured at world 2); so configured, at
-# most 3.3e-6 over the seeds tried. The biased two-block configs shard in float64 (tests/test_derived_ltx.py).
+# most 3.3e-6 over the seeds tried. The biased two-block configs shard in float64 (tests/families/test_ltx.py).
 LTX2_WIDE = dict(attention_head_dim=16, cross_attention_dim=64, audio_attention_head_dim=16,
                  audio_cross_attention_dim=64)
 

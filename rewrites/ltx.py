@@ -47,7 +47,7 @@ _LTX = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num
 # cross_attention_dim is the width the caption projection gives: the model's own (heads x head_dim). The configs the
 # suite shards hold one block: from the second block on, these seeded models' q/k gradients are ill-conditioned in
 # fp32 (a 1e-7 relative perturbation of the weights moves them by up to 2e-5 (LTX-Video) and 6e-5 (LTX-2), measured),
-# so any change of summation order exceeds the gradient tolerance; tests/test_derived_ltx.py shards two blocks in
+# so any change of summation order exceeds the gradient tolerance; tests/families/test_ltx.py shards two blocks in
 # float64 instead.
 _LTX_TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
                  num_layers=1, caption_channels=16)

@@ -71,7 +71,7 @@ FAMILY = derived_family(
     default_variant="2.3",
     example_inputs=ltx2_inputs,
     # the first runs sharded in the conformance suite: LTX-2.3's gated, perturbed attention with split RoPE
-    # tables; the two-block ones (with attention biases, both RoPE layouts) in tests/test_derived_ltx.py
+    # tables; the two-block ones (with attention biases, both RoPE layouts) in tests/families/test_ltx.py
     test_configs={"tiny": _LTX2_TP, "tiny_2.3": {**LTX2_TINY, **_LTX2_3},
                   "tiny_2.0_interleaved": {**LTX2_TINY, "rope_type": "interleaved"}},
     rotary={LTX2Attention: ("query_rotary_emb", "key_rotary_emb")},

@@ -12,7 +12,7 @@ from pathlib import Path
 import surgery
 from surgery.testing import FP32_TOL
 
-BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPT = BENCHMARKS / "flux2.py"
 
 

@@ -14,7 +14,7 @@ from parameterized import parameterized
 
 import pipeline_testing as P
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "flux2_klein_tp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "flux2_klein_tp.py"
 ARGS = ["--device", "cpu", "--steps", "1", "--height", "32", "--width", "32", "--dtype", "float32", "--seed", "3"]
 
 

@@ -11,7 +11,7 @@ from parameterized import parameterized
 
 pytestmark = pytest.mark.heavy  # the heavy tier: CI's second command (tests/conftest.py)
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
 class Notebooks(unittest.TestCase):

@@ -3,11 +3,10 @@
 import unittest
 
 import torch
-from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor
 from parameterized import parameterized
 
 import surgery
-from flux2_testing import SMALL_CONFIGS, fused_and_copy, inputs, rel_err, small_config
+from flux2_testing import SMALL_CONFIGS, fused_and_copy, inputs, rel_err, small_config, use_kv_processors
 
 from surgery.testing import BF16_TOL, FP32_GRAD_TOL, FP32_TOL
 CASES = [(name, seed) for name in SMALL_CONFIGS for seed in (0, 1)]
@@ -119,13 +118,6 @@ class BackwardEquivalence(unittest.TestCase):
         mapped = surgery.state_dict.fuse_state_dict(results[1], surgery.state_dict.weight_slices(unfused))
         for key, grad in results[0].items():
             self.assertLessEqual(rel_err(mapped[key], grad), FP32_GRAD_TOL, key)
-
-
-def use_kv_processors(model):
-    for block in model.transformer_blocks:
-        block.attn.set_processor(Flux2KVAttnProcessor())
-    for block in model.single_transformer_blocks:
-        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
 
 
 class KVCacheEquivalence(unittest.TestCase):

@@ -8,7 +8,7 @@ so training it sharded is not supported: this test says so, and fails once it ru
 
 import unittest
 
-import derived_joint_worker
+import cogvideox_worker
 from surgery.testing import run_on_cpu_ranks
 
 import conformance_worker as W
@@ -16,7 +16,7 @@ import conformance_worker as W
 
 class CogVideoXRope(unittest.TestCase):
     def test_sharded_forward_matches_stock_and_autograd_is_refused_by_torch(self):
-        for rank, out in enumerate(run_on_cpu_ranks(derived_joint_worker.rope, 2)):
+        for rank, out in enumerate(run_on_cpu_ranks(cogvideox_worker.rope, 2)):
             self.assertLessEqual(out["forward"], W.FP32_TOL, f"rank {rank}")
             self.assertEqual(out["collectives"], {"all_reduce": out["expected_all_reduces"]}, f"rank {rank}")
             self.assertEqual(out["expected_all_reduces"], 4)  # 2 blocks: attention out + feed-forward out each

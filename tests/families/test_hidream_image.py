@@ -8,7 +8,7 @@ per MoE instead, its gradient would be each rank's share of it.
 
 import unittest
 
-import derived_moe_worker
+import hidream_image_worker
 from surgery.testing import run_on_cpu_ranks
 
 import conformance_worker as W
@@ -16,7 +16,7 @@ import conformance_worker as W
 
 class HiDreamMoE(unittest.TestCase):
     def test_training_mode_matches_stock_with_the_routers_gradient_whole(self):
-        for rank, out in enumerate(run_on_cpu_ranks(derived_moe_worker.train_mode, 2)):
+        for rank, out in enumerate(run_on_cpu_ranks(hidream_image_worker.train_mode, 2)):
             self.assertLessEqual(out["forward"], W.FP32_TOL, f"rank {rank}")
             # per block: the shared expert and each of the 4 routed experts (training calls every one), plus the
             # attention's outputs and q/k norms across heads: double 2 + 4 + 1 + 4 + 1 (text FF), single 1 + 2 + 1 + 4

@@ -1,5 +1,5 @@
 """The published-width tier: every user path on one block (of each kind) of a published config, on 2 gloo ranks,
-against the single-device fused model (`tests/published_width_worker.py`).
+against the single-device fused model (`tests/workers/published_width_worker.py`).
 
 Tiny test configs never hold a tensor of more than 2**24 elements (where float32 index arithmetic stops being exact)
 nor a file offset past 4 GiB; published widths do (FLUX.2-dev's single-block `to_qkv_mlp_proj` holds 340M elements).

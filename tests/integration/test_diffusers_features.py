@@ -54,7 +54,7 @@ def on_stock(what: str, fn, model):
         pytest.skip(f"stock {type(model).__name__} refuses {what}: {type(error).__name__}: {str(error)[:200]}")
 
 
-_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tests/: the tests' own code
 
 
 def test_on_stock_skips_for_stock_refusals_only():

@@ -8,30 +8,14 @@ from pathlib import Path
 
 import torch
 from diffusers import Flux2Pipeline
-from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import save_file
 
 import surgery
-from flux2_testing import build, inputs, rel_err, small_config
+from flux2_testing import STOCK_TARGETS, add_random_adapter, build, forward, inputs, rel_err, small_config
 
 from surgery.testing import FP32_TOL
 # every Linear of the blocks by its stock name, the fused projections included (a regex, as PEFT takes it)
-STOCK_TARGETS = (r".*(to_[qkv]|to_out\.0|add_[qkv]_proj|to_add_out|to_qkv_mlp_proj|"
-                 r"single_transformer_blocks\.\d+\.attn\.to_out|linear_in|linear_out)$")
-
-
-def add_random_adapter(model, name: str, seed: int, targets=STOCK_TARGETS, rank: int = 4, alpha: int = 8, **kw):
-    """A PEFT adapter with random (not zero) factors, as after training; alpha != rank so that scales matter."""
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, **kw), adapter_name=name)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if f".{name}." in param_name and "lora_" in param_name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model
-
-
 def save_stock_lora(model, name: str, folder: Path) -> Path:
     """What a stock user publishes: diffusers' `save_lora_weights` with the adapter's config."""
     Flux2Pipeline.save_lora_weights(
@@ -46,11 +30,6 @@ def load_like_a_pipeline(transformer, folder: Path, name: str, **kw):
     state_dict, metadata = Flux2Pipeline.lora_state_dict(folder, return_lora_metadata=True)
     Flux2Pipeline.load_lora_into_transformer(state_dict, transformer=transformer, adapter_name=name,
                                              metadata=metadata, **kw)
-
-
-def forward(model, kw):
-    with torch.no_grad():
-        return model(**kw, return_dict=False)[0]
 
 
 class StockAdapterOnUnfusedModel(unittest.TestCase):

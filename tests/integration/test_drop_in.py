@@ -1,6 +1,6 @@
 """The unfused model looks like the stock one to diffusers' name-based features, for every family: the blocks that
 regional compile (`_repeated_blocks`) and device maps (`_no_split_modules`) find by class name, and the modules
-TaylorSeer hooks by path; `fuse` leaves no instance override behind. (Outputs of each feature: tests/test_conformance.)"""
+TaylorSeer hooks by path; `fuse` leaves no instance override behind. (Outputs of each feature: tests/families/test_conformance.)"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 several adapters with weights, fuse/unfuse, delete, save, unload, hot-swap under torch.compile, refusals — each vs
 the stock single-device model with the same adapter, for FLUX.2 and FLUX.1.
 
-One spawned job runs everything (tests/lora_tp_worker.py); each test reads its part, on every rank.
+One spawned job runs everything (tests/workers/lora_tp_worker.py); each test reads its part, on every rank.
 """
 
 import functools

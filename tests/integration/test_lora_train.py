@@ -1,5 +1,5 @@
 """Training a LoRA under TP 2 x FSDP2 2 (4 gloo ranks): examples/train_lora_tp.py's core against the same steps on one
-device, and the saved adapter in stock diffusers. One spawned job (tests/lora_train_worker.py)."""
+device, and the saved adapter in stock diffusers. One spawned job (tests/workers/lora_train_worker.py)."""
 
 import pytest
 import functools

@@ -6,8 +6,7 @@ import unittest
 
 from parameterized import parameterized
 
-from surgery.testing import run_on_cpu_ranks
-from test_tensor_parallel import FP32_TOL
+from surgery.testing import FP32_TOL, run_on_cpu_ranks
 import memory_tp_worker
 
 DIFFUSERS = ["layerwise_casting", "group_offload_block", "group_offload_leaf"]

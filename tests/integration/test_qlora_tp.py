@@ -5,8 +5,7 @@ import functools
 import tempfile
 import unittest
 
-from surgery.testing import run_on_cpu_ranks
-from test_tensor_parallel import FP32_TOL
+from surgery.testing import FP32_TOL, run_on_cpu_ranks
 import qlora_tp_worker
 
 

@@ -19,7 +19,9 @@ import surgery
 from surgery.io import atomic, safetensors_writer, saving
 from flux2_testing import build, small_config
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
+# what a subprocess needs on its path: the repository, the tests' workers and their helpers
+PYTHONPATH = os.pathsep.join([str(TESTS.parent), str(TESTS / "workers"), str(TESTS / "support")])
 CONFIG = "klein4b_small"
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
@@ -116,7 +118,7 @@ class OwnsOnlyWhatItWrites(Case):
         marker = self.root / "writing"
         worker = subprocess.Popen(
             [sys.executable, "-c", STALLING_SAVE, str(self.dst), str(marker)],
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)])),
+            env=dict(os.environ, PYTHONPATH=PYTHONPATH),
         )
         deadline = time.monotonic() + 120
         while not marker.exists() and worker.poll() is None and time.monotonic() < deadline:

@@ -35,7 +35,9 @@ from surgery.testing import run_on_cpu_ranks, single_rank_group
 from surgery.sight.report import local
 
 ROOT = Path(tempfile.mkdtemp(prefix="surgery-ckpt-"))
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]
+# what a subprocess needs on its path: the repository, the tests' workers and their helpers
+PYTHONPATH = os.pathsep.join([str(TESTS.parent), str(TESTS / "workers"), str(TESTS / "support")])
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 INDEX = "diffusion_pytorch_model.safetensors.index.json"
 CONFIG, SEED = "klein9b_small", 4
@@ -90,7 +92,7 @@ def temporaries(root: Path) -> list[str]:
 
 
 def surgery_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
     return subprocess.run([sys.executable, "-m", "surgery", *args], capture_output=True, text=True, timeout=300,
                           env=env, **kwargs)
 
@@ -188,9 +190,9 @@ class Interrupted(Workspace):
         before = tree(self.dst)
         marker = self.ws / "writing"
         worker = subprocess.Popen(
-            [sys.executable, str(TESTS / "convert_worker.py"), "stall", str(few_mb_checkpoint()), str(self.dst),
-             str(marker)],
-            env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)])),
+            [sys.executable, str(TESTS / "workers" / "convert_worker.py"), "stall", str(few_mb_checkpoint()),
+             str(self.dst), str(marker)],
+            env=dict(os.environ, PYTHONPATH=PYTHONPATH),
         )
         deadline = time.monotonic() + 120
         while not marker.exists() and worker.poll() is None and time.monotonic() < deadline:

@@ -29,8 +29,8 @@ from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
 
 # diffusers classes that the registered plans covered only in part (their FeedForwards): tiny configs of each.
-# (Wan and SkyReels-V2 now shard by derivation: rewrites/derived.py; SD3 and CogVideoX: rewrites/derived_joint.py;
-# CogView4, HunyuanVideo-1.5: rewrites/derived_image.py; Mochi: rewrites/derived_more.py.)
+# (Wan, SkyReels-V2, SD3, CogVideoX, CogView4, HunyuanVideo-1.5 and Mochi now shard by derivation: rewrites/wan.py,
+# skyreels_v2.py, sd3.py, cogvideox.py, cogview4.py, hunyuan_video15.py, mochi.py.)
 HALF_PLANNED = {
     # its FeedForwards have the shared plan; its attention's processor reads the head count beyond the reshapes
     "StableAudioDiTModel": dict(sample_size=8, in_channels=4, num_layers=2, attention_head_dim=8,
@@ -102,7 +102,7 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
 
 class ExplicitRefusals(unittest.TestCase):
     def test_a_refused_class_is_refused_with_its_reason_before_anything_changes(self):
-        # LTX-2 shards (rewrites/derived_ltx.py); refused by a registration, it is refused whole, before any change
+        # LTX-2 shards (rewrites/ltx2.py); refused by a registration, it is refused whole, before any change
         torch.manual_seed(0)
         model = surgery.unfuse(diffusers.LTX2VideoTransformer3DModel(**LTX2))
         snap = snapshot(model)

@@ -6,8 +6,7 @@ import unittest
 
 from parameterized import parameterized
 
-from surgery.testing import run_on_cpu_ranks
-from test_tensor_parallel import FP32_TOL
+from surgery.testing import FP32_TOL, run_on_cpu_ranks
 import quant_worker
 
 WORLD = 2

@@ -1,7 +1,7 @@
 """2-D meshes on 4 gloo ranks: TP x context parallelism (diffusers' Ulysses), TP x FSDP2 training (with and without
 PEFT LoRA), vs one device.
 
-One spawned job runs every 4-rank check (see tests/two_d_worker.py); each test reads its part, on every rank.
+One spawned job runs every 4-rank check (see tests/workers/two_d_worker.py); each test reads its part, on every rank.
 """
 
 import pytest

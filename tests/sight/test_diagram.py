@@ -370,7 +370,7 @@ class Commands(unittest.TestCase):
 
 
 class PageWidth(unittest.TestCase):
-    """Every picture fits the page it is read on: each notebook's committed outputs (tests/test_notebooks.py checks
+    """Every picture fits the page it is read on: each notebook's committed outputs (tests/app/test_notebooks.py checks
     the freshly executed ones the same way) within ~1,000 px, the README's docs/*.svg within ~880 px, and what
     `diagram.svg` draws now at either width, legibly (not scaled below MIN_SCALE)."""
 

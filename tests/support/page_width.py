@@ -11,7 +11,7 @@ from pathlib import Path
 
 from surgery.sight.svg import NOTEBOOK_WIDTH_PX, README_WIDTH_PX, svg_scale, svg_size_px
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 DOCS_SVGS = sorted((ROOT / "docs").glob("*.svg"))
 # A diagram scaled below this to fit draws its 10 pt labels under 8 pt (~11 px): too small to read.

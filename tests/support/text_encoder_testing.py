@@ -165,7 +165,7 @@ def published_layer(name: str, seed: int = 0) -> nn.Module:
     return model.eval()
 
 
-# --- the text encoders of the DiTs covered in the fourth round (one world-2 job: tests/test_text_encoders.py) ------
+# --- the text encoders of the DiTs covered in the fourth round (one world-2 job: tests/parallel/test_text_encoders.py) ------
 
 def umt5(seed: int = 0, **overrides):
     from transformers import UMT5Config, UMT5EncoderModel

@@ -1,4 +1,4 @@
-"""World-2 worker for tests/test_derived_joint.py: CogVideoX-5b's RoPE config sharded, against the single-device
+"""World-2 worker for tests/families/test_cogvideox.py: CogVideoX-5b's RoPE config sharded, against the single-device
 stock model."""
 
 import copy

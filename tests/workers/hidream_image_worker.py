@@ -1,4 +1,4 @@
-"""World-2 worker for tests/test_derived_moe.py: HiDream's MoE sharded in training mode (every expert runs, the
+"""World-2 worker for tests/families/test_hidream_image.py: HiDream's MoE sharded in training mode (every expert runs, the
 router's gradient flows), against the single-device stock model."""
 
 import copy

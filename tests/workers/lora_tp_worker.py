@@ -1,4 +1,4 @@
-"""What each of 2 gloo ranks runs for tests/test_lora_tp.py: LoRA adapters on a tensor-parallel model, vs the stock
+"""What each of 2 gloo ranks runs for tests/integration/test_lora_tp.py: LoRA adapters on a tensor-parallel model, vs the stock
 single-device model with the same adapter, for FLUX.2 and FLUX.1. One process per rank runs every operation."""
 
 from __future__ import annotations

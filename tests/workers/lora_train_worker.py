@@ -1,4 +1,4 @@
-"""What each of 4 gloo ranks runs for tests/test_lora_train.py: the core of examples/train_lora_tp.py (TP 2 x
+"""What each of 4 gloo ranks runs for tests/integration/test_lora_train.py: the core of examples/train_lora_tp.py (TP 2 x
 FSDP2 2, LoRA on the unfused layers, surgery.lora.shard_lora) against the same steps on one device; then the saved
 adapter in stock diffusers."""
 
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from surgery.testing import rel_err
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_lora_tp.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_lora_tp.py"
 
 
 def example():

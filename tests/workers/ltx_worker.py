@@ -1,6 +1,7 @@
-"""World-N worker for tests/test_derived_ltx.py: LTX-Video and LTX-2 at two blocks, sharded, against the single-device
-stock model, in float64 (at two blocks these seeded models' q/k gradients are too ill-conditioned for an fp32
-comparison: rewrites/derived_ltx.py)."""
+"""World-N worker for tests/families/test_ltx.py (LTX-Video and LTX-2 at two blocks, sharded, against the single-device
+stock model, in float64: at two blocks these seeded models' q/k gradients are too ill-conditioned for an fp32
+comparison, rewrites/ltx.py, rewrites/ltx2.py) and tests/families/test_sana_wm_refiner.py (SANA-WM's refiner, its
+cached forwards)."""
 
 import copy
 

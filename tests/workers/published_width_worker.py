@@ -1,4 +1,4 @@
-"""What each gloo rank runs for the published-width tier (`tests/test_published_width.py`).
+"""What each gloo rank runs for the published-width tier (`tests/families/test_published_width.py`).
 
 One job per family walks every user path on a model of the published width (the widest published config of the
 family, reduced only in depth: one block of each kind, or none), in bf16, against the single-device fused model:

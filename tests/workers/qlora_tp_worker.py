@@ -1,4 +1,4 @@
-"""What each gloo rank runs for tests/test_qlora_tp.py: LoRA adapters (peft, loaded the diffusers way) on a FLUX.2
+"""What each gloo rank runs for tests/integration/test_qlora_tp.py: LoRA adapters (peft, loaded the diffusers way) on a FLUX.2
 model that is unfused, quantized by torchao and sharded by `tensor_parallel`, against the same quantized model with
 the same adapters run whole on one process (QLoRA-style: the base frozen and quantized, the adapter trained)."""
 

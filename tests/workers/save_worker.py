@@ -82,7 +82,7 @@ def _status(field: str) -> int:
 
 def lora_checks(rank: int, world: int, root: str) -> dict:
     """A stock LoRA merged before sharding, then another loaded after sharding, give the stock model's outputs."""
-    from test_diffusers_lora import add_random_adapter, forward
+    from flux2_testing import add_random_adapter, forward
     from peft.utils import get_peft_model_state_dict
 
     mesh = init_device_mesh("cpu", (world,))
@@ -102,7 +102,7 @@ def lora_checks(rank: int, world: int, root: str) -> dict:
     surgery.tensor_parallel(model, mesh, src_data_rank=None)
     result = {"lora_merged_before_sharding": rel_err(forward(model, kw), forward(stock, kw)),
               "lora_vs_trained": rel_err(forward(stock, kw), forward(trained, kw))}
-    # and one loaded after sharding, unmerged (tests/test_lora_tp.py covers the rest)
+    # and one loaded after sharding, unmerged (tests/integration/test_lora_tp.py covers the rest)
     model.load_lora_adapter(adapter, adapter_name="b", metadata=metadata)
     stock.load_lora_adapter(adapter, adapter_name="b", metadata=metadata)
     model.set_adapters(["b"])

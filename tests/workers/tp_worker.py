@@ -11,8 +11,7 @@ from torch.distributed.tensor import DTensor
 import surgery
 from surgery.testing import CollectiveCounter, diffusers_packed_tp
 from surgery.sight.report import local_bytes
-from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
-from test_unfuse_equivalence import use_kv_processors
+from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot, use_kv_processors
 
 # (config, seed, batch, guidance on)
 CASES = {

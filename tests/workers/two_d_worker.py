@@ -23,8 +23,7 @@ from torch.distributed.tensor import DTensor
 import surgery
 from surgery.testing import CollectiveCounter
 from surgery.parallel.context_parallel import attention_processors
-from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
-from test_unfuse_equivalence import use_kv_processors
+from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot, use_kv_processors
 
 
 def cp_inputs(config, seed, batch=2, image_tokens=16, text_tokens=8):
