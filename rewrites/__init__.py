@@ -24,5 +24,6 @@ if __name__ != "surgery_rewrites":
 
 for _info in pkgutil.iter_modules(__path__):
     _module = importlib.import_module(f"{__name__}.{_info.name}")
-    for _family in getattr(_module, "FAMILIES", None) or (_module.FAMILY,):  # a data table holds several
+    _families = getattr(_module, "FAMILIES", None)  # a data table holds several; an optional package's, maybe none
+    for _family in (_module.FAMILY,) if _families is None else _families:
         register_family(_family)

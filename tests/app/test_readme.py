@@ -55,10 +55,17 @@ class Readme(unittest.TestCase):
         self.assertEqual(self.text[start:end].strip(), families_table(),
                          "run `python tests/app/test_readme.py --regenerate`")
 
-    def test_the_test_command_is_what_ci_runs(self):
-        self.assertIn(TEST_COMMAND, self.text)
-        ci = (ROOT / ".ci" / "run").read_text()
-        self.assertIn(TEST_COMMAND, ci)
+    def test_ci_runs_the_set_up_commands_as_written(self):
+        # the README's two set-up lines (main job, tests), without their comments, are lines of .ci/run in that order
+        block = self.text.split("## Set up", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+        commands = [line.split("  #", 1)[0].strip() for line in block.strip().splitlines()]
+        self.assertEqual(len(commands), 2, commands)
+        self.assertTrue(commands[0].endswith("surgery demo"), commands[0])
+        self.assertTrue(commands[1].endswith(TEST_COMMAND), commands[1])
+        ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+        self.assertIn(commands[0], ci)
+        self.assertIn(commands[1], ci)
+        self.assertLess(ci.index(commands[0]), ci.index(commands[1]))
 
     def test_links_resolve(self):
         for target in re.findall(r"\]\(([^)#]+)\)", self.text):
