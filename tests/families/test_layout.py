@@ -35,7 +35,8 @@ def families_by_file() -> dict[str, list]:
     found = {}
     for info in pkgutil.iter_modules(surgery_rewrites.__path__):
         module = importlib.import_module(f"surgery_rewrites.{info.name}")
-        found[info.name] = list(getattr(module, "FAMILIES", None) or (module.FAMILY,))
+        held = getattr(module, "FAMILIES", None)  # as rewrites/__init__.py reads it
+        found[info.name] = [module.FAMILY] if held is None else list(held)
     return found
 
 
