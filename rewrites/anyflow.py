@@ -1,9 +1,8 @@
 """`AnyFlowTransformer3DModel` (diffusers `transformer_anyflow.py`): the `anyflow` family.
 
-Derived from diffusers' building blocks (`surgery.extend.derived_family`), data only (published configs with their
-source, tiny test configs, example inputs). Plans, rewrites (head-dim twins of the processors) and all-reduce counts
-are derived (`surgery.parallel.derive`); the adaptive norms' Linears stay whole by the general rule of
-`surgery.parallel.plans.replicated_reason`.
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). The adaptive norms'
+Linears stay whole by the general rule of `surgery.parallel.plans.replicated_reason`.
 """
 
 from __future__ import annotations

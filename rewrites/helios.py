@@ -1,8 +1,7 @@
 """`HeliosTransformer3DModel` (diffusers `transformer_helios.py`): the `helios` family.
 
-Derived from diffusers' building blocks (`surgery.extend.derived_family`), data only (published configs with their
-source, tiny test configs, example inputs). Plans, rewrites and all-reduce counts are derived
-(`surgery.parallel.derive`).
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`).
 """
 
 from __future__ import annotations

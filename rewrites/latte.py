@@ -1,9 +1,8 @@
 """`LatteTransformer3DModel` (diffusers `latte_transformer_3d.py`): the `latte` family.
 
-One of the earlier DiTs, derived from diffusers' building blocks (`surgery.extend.derived_family`), data only
-(published configs with their source, tiny test configs, example inputs). Its class's defaults do not construct
-(`in_channels=None`, `patch_size=None`), so only a published config builds it. Plans, rewrites and all-reduce counts
-are derived (`surgery.parallel.derive`).
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its class's defaults
+do not construct (`in_channels=None`, `patch_size=None`): only a published config builds it.
 """
 
 from __future__ import annotations

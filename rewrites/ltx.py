@@ -1,14 +1,9 @@
 """`LTXVideoTransformer3DModel` (diffusers `transformer_ltx.py`): the `ltx-video` family.
 
-A derived family (`surgery.extend.derived_family`): published configs with their source, tiny test configs, example
-inputs.
-
-Its processors rotate q and k across the whole attention width before splitting heads, so the family row names the
-attention's rotary arguments (`rotary=`): the derived plan hands each rank its heads' share of the tables
-(`surgery.parallel.derive.RotaryAcrossWidth`; LTX-2's "split" tables `[batch, heads, tokens, head_dim / 2]` by their
-heads, the "interleaved" ones `[batch, tokens, width]` by their width). The rest is derived: head-dim twins of the
-processors, q/k norms across heads by their statistic, LTX-2's per-head gates (`to_gate_logits`) colwise with the
-heads, the feed-forwards' shared plan.
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its processors rotate
+q and k across the whole attention width before splitting heads, so the family row names the attention's rotary
+arguments (`rotary=`): rewrites/ltx2.py says how the derived plan shares the tables.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`Lumina2Transformer2DModel` (diffusers `transformer_lumina2.py`): the `lumina2` family.
 
-Derived from diffusers' building blocks (`surgery.extend.derived_family`), data only (published configs with their
-source, tiny test configs, example inputs). Plans, rewrites and all-reduce counts are derived
-(`surgery.parallel.derive`).
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`).
 
 Lumina2's processor attends with grouped queries (`kv_heads` read off the key width); the processor rule of
 `surgery.core.leaves` reads its head counts from the local widths, and the derived head check splits query and

@@ -1,17 +1,8 @@
 """`SanaVideoTransformer3DModel` (diffusers `transformer_sana_video.py`): the `sana-video` family.
 
-Derived from diffusers' building blocks (`surgery.extend.derived_family`), data only (published configs with their
-source, tiny test configs, example inputs).
-
-Its self-attention is linear attention (`SanaLinearAttnProcessor2_0` / `3_0`: ReLU kernels, then per-head sums `V K^T
-Q`): every sum runs within one head, so it shards by heads like softmax attention, and the processor rule of
-`surgery.core.leaves` gives those processors their head-dim twins (they reshape by `(attn.heads, -1)`); the cross
-attention is diffusers' own processor in the older spelling, which the rule also reads.
-
-Its feed-forward (`GLUMBConv`: 1x1 conv up to gate and value channels, a depthwise 3x3 conv, the GLU, a 1x1 conv down)
-is Conv2d, not Linear: stock `ColwiseParallel`/`RowwiseParallel` refuse a Conv2d, and DTensor's convolution shards
-only the batch or spatial dims with the weight whole, never its channels. It stays whole on every rank, declared so,
-and `surgery plan` reports the bytes that leaves unsharded.
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its linear attention
+and its Conv2d feed-forward (GLUMBTempConv) are Sana's: rewrites/sana.py says how they shard.
 """
 
 from __future__ import annotations

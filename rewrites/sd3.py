@@ -1,9 +1,9 @@
 """`SD3Transformer2DModel` (diffusers `transformer_sd3.py`): the `sd3` family.
 
-Derived from diffusers' building blocks; its processors reshape by the stored head count in the older spelling
-(`head_dim = inner_dim // attn.heads`, `view(batch, -1, attn.heads, head_dim)`): the processor rule of
-`surgery.core.leaves` reads it, so its row is data only (published configs with their source, tiny test configs,
-example inputs).
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its processors reshape
+by the stored head count in the older spelling (`head_dim = inner_dim // attn.heads`), which the processor rule of
+`surgery.core.leaves` reads.
 """
 
 from __future__ import annotations

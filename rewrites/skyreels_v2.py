@@ -1,10 +1,8 @@
 """`SkyReelsV2Transformer3DModel` (diffusers `transformer_skyreels_v2.py`): the `skyreels-v2` family.
 
-Derived from diffusers' building blocks (`surgery.extend.derived_family`), data only (published configs with their
-source, tiny test configs, example inputs). Its rewrites (head-dim twins of the attention processors, elementwise q/k
-RMS norms) and its plans (q/k/v colwise, outputs rowwise, norms across heads by their statistic, FeedForward's shared
-plan) are derived; so is the all-reduce count. Wan's published numbers and example inputs, shared with the models
-built like it, are in `diffusers_common.py`.
+Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
+example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Wan's numbers and
+example inputs, which the models built like it share, are in diffusers_common.py.
 """
 
 from __future__ import annotations
