@@ -4,18 +4,24 @@ World 3 (FLUX.2 with 4 heads, SD3.5 with 4 heads, an adapter) runs in the defaul
 6 heads) in the heavy tier.
 """
 
+import copy
 import functools
-import os
-import sys
 import tempfile
 import unittest
 
 import pytest
+import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "workers"))
-
-import uneven_heads_worker  # noqa: E402
-from surgery.testing import FP32_GRAD_TOL, FP32_TOL, run_on_cpu_ranks  # noqa: E402
+import surgery
+import uneven_heads_worker
+from surgery.core import heads_padding
+from surgery.core.build import seeded_model
+from surgery.core.registry import families
+from surgery.parallel.distributed import fake_process_group
+from surgery.parallel.padding import head_paddings
+from surgery.parallel.plans import block_path, planned_for
+from surgery.sight import report
+from surgery.testing import FP32_GRAD_TOL, FP32_TOL, rel_err, run_on_cpu_ranks
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,20 +91,6 @@ class World5(World3):
 
 
 # --- one process: the padding itself, fuse, save, refusals and the plan's cost ----------------------------------------
-
-import copy  # noqa: E402
-
-import torch  # noqa: E402
-
-import surgery  # noqa: E402
-from surgery.core import heads_padding  # noqa: E402
-from surgery.core.build import seeded_model  # noqa: E402
-from surgery.core.registry import families  # noqa: E402
-from surgery.parallel.distributed import fake_process_group  # noqa: E402
-from surgery.parallel.padding import head_paddings  # noqa: E402
-from surgery.parallel.plans import block_path, planned_for  # noqa: E402
-from surgery.sight import report  # noqa: E402
-from surgery.testing import rel_err  # noqa: E402
 
 FLUX2_6 = uneven_heads_worker.CASES[4][0][1]
 
