@@ -49,11 +49,10 @@ def _head_dim(attention: nn.Module, heads: int) -> int | None:
     return q.out_features // heads if isinstance(q, nn.Linear) else None
 
 
-def _heads_of(attention: nn.Module, rows: dict[str, nn.Linear], heads: int, head_dim: int) -> tuple[int, int]:
-    """(query heads, key/value heads) from the projections' widths."""
-    kv = next((m.out_features // head_dim for key, m in rows.items() if key.rpartition(".")[2] in (*KEYS, "k")),
-              heads)
-    return heads, kv
+def _kv_heads(rows: dict[str, nn.Linear], heads: int, head_dim: int) -> int:
+    """Key/value heads, read off the key projection's width (fewer than `heads` under grouped-query attention)."""
+    return next((m.out_features // head_dim for key, m in rows.items() if key.rpartition(".")[2] in (*KEYS, "k")),
+                heads)
 
 
 def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str, world: int,
@@ -79,7 +78,7 @@ def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str,
         columns = {key: planned_module.get_submodule(key) for key, style in plan.items()
                    if key.rpartition(".")[2] == ATTN_PART and isinstance(style, RowwiseParallel)
                    and planned_module.get_submodule(key).in_features == heads * head_dim}
-    heads, kv = _heads_of(attention, rows, heads, head_dim)
+    kv = _kv_heads(rows, heads, head_dim)
     if heads % world == 0 and kv % world == 0:
         return None
     if not rows or not columns:
@@ -90,6 +89,14 @@ def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str,
     if kv != heads and (heads % kv or kv == 0):
         raise SurgeryError(f"surgery.tensor_parallel: '{where}' has {heads} query heads over {kv} key/value heads, "
                            "not whole groups; zero heads cannot keep each group with its key/value head.")
+    for key, style in inside:  # a full-width gate of the attention output (to_gate) would need zero rows too
+        linear = planned_module.get_submodule(key)
+        if (isinstance(style, ColwiseParallel) and key not in rows and key not in gates
+                and getattr(linear, "out_features", None) == heads * head_dim):
+            raise SurgeryError(
+                f"surgery.tensor_parallel: '{_join(where, key[len(attention_key):].lstrip('.'))}' is as wide as the "
+                f"{heads} heads of '{where}' but not one of its q/k/v projections; whether zero heads would keep "
+                "its output unchanged is unknown. Use a mesh size that divides its heads.")
     group = heads // kv
     padded_kv = _up(kv, world)
     padded = padded_kv * group if kv != heads else _up(heads, world)
@@ -101,7 +108,7 @@ def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str,
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{_join(where, key[len(attention_key):].lstrip('.'))}' has {real} output "
                 f"features, not {heads} or {kv} heads of {head_dim}: it cannot be padded with zero heads.")
-        row_sizes[_join(key)] = (real, size)
+        row_sizes[key] = (real, size)
     column_sizes = {}
     for key, linear in columns.items():
         if linear.in_features != heads * head_dim:
@@ -166,28 +173,25 @@ def _relative(padding: HeadPadding, offset: str) -> HeadPadding:
 
 
 def cost(model: nn.Module, found: list[Padded], world: int) -> dict:
-    """What the zero heads cost each rank: bytes of zero rows and columns, and the FLOPs they add per token
-    (projections: 2 x the zero weights' elements; attention itself: 4 x head_dim per padded head per key token)."""
-    weights = attention = 0
+    """What the zero heads cost each rank, measured on the unpadded model: the bytes of the zero rows and columns
+    (biases included), and the FLOPs they add per token (projections: 2 x the zero weights' elements) and per
+    query-key pair (attention: 4 x head_dim per zero head), summed over the attentions. Every rank holds the same
+    number of heads, so each pays a `world`-th of the total."""
+    elements = nbytes = attention = 0
     for p in found:
         block = model.get_submodule(p.block)
-        for key, (real, size) in p.padding.rows.items():
+        for key, (real, size) in [*p.padding.rows.items(), *p.padding.columns.items()]:
             linear = block.get_submodule(key)
-            per_row = linear.weight.shape[1] * linear.weight.element_size()
-            weights += (size - real) * (per_row + (linear.bias.element_size() if linear.bias is not None else 0))
-        for key, (real, size) in p.padding.columns.items():
-            linear = block.get_submodule(key)
-            weights += (size - real) * linear.weight.shape[0] * linear.weight.element_size()
+            rows = key in p.padding.rows
+            zeros = (size - real) * linear.weight.shape[1 if rows else 0]
+            biases = size - real if rows and linear.bias is not None else 0
+            elements += zeros
+            nbytes += (zeros + biases) * linear.weight.element_size()
         attention += (p.padding.heads[1] - p.padding.heads[0]) * 4 * p.padding.head_dim
-    elements = sum(
-        (size - real) * (model.get_submodule(p.block).get_submodule(k).weight.shape[1])
-        for p in found for k, (real, size) in p.padding.rows.items()) + sum(
-        (size - real) * model.get_submodule(p.block).get_submodule(k).weight.shape[0]
-        for p in found for k, (real, size) in p.padding.columns.items())
     return {
         "attentions": len(found),
-        "heads": sorted({(p.padding.heads[0], p.padding.heads[1]) for p in found}),
-        "bytes_per_rank": weights // world,
+        "heads": sorted({p.padding.heads for p in found}),
+        "bytes_per_rank": nbytes // world,
         "projection_flops_per_token_per_rank": 2 * elements // world,
         "attention_flops_per_token_per_key_per_rank": attention // world,
     }
