@@ -148,29 +148,26 @@ class Unsharded(unittest.TestCase):
             self.assertEqual(list(want), list(got), verb)
             self.assertTrue(all(want[k].shape == got[k].shape and torch.equal(want[k], got[k]) for k in want), verb)
 
-    def test_across_heads_norm_refused_model_untouched(self):
-        family = families()["wan"]  # q/k norms over the whole width: their statistic would count zero heads
-        model = surgery.unfuse(seeded_model(family, family.test_configs["tiny"], 0))
+    def assert_refused_untouched(self, model, world: int, message: str):
+        """`tensor_parallel(model, mesh of world, pad_heads=True)` raises `message`; the model is as it was."""
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        with fake_process_group(3):
-            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (3,))
-            with self.assertRaisesRegex(surgery.SurgeryError, "norm_q' normalizes 32 features across the heads"):
-                surgery.tensor_parallel(model, mesh, pad_heads=True)
-        after = model.state_dict()
-        self.assertTrue(all(torch.equal(before[k], after[k]) for k in before))
-        self.assertEqual(heads_padding.padded_blocks(model), [])
-
-    def test_a_later_refusal_puts_the_heads_back(self):
-        config = {**FLUX2_6, "mlp_ratio": 3.0}  # 144 MLP units, which 5 ranks do not split: refused after padding
-        model = surgery.unfuse(seeded_model(self.family, config, 0))
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        with fake_process_group(5):
-            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (5,))
-            with self.assertRaisesRegex(surgery.SurgeryError, "has 144 output features"):
+        with fake_process_group(world):
+            mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
+            with self.assertRaisesRegex(surgery.SurgeryError, message):
                 surgery.tensor_parallel(model, mesh, pad_heads=True)
         after = model.state_dict()
         self.assertTrue(all(before[k].shape == after[k].shape and torch.equal(before[k], after[k]) for k in before))
         self.assertEqual(heads_padding.padded_blocks(model), [])
+
+    def test_across_heads_norm_refused_model_untouched(self):
+        family = families()["wan"]  # q/k norms over the whole width: their statistic would count zero heads
+        model = surgery.unfuse(seeded_model(family, family.test_configs["tiny"], 0))
+        self.assert_refused_untouched(model, 3, "norm_q' normalizes 32 features across the heads")
+
+    def test_a_later_refusal_puts_the_heads_back(self):
+        config = {**FLUX2_6, "mlp_ratio": 3.0}  # 144 MLP units, which 5 ranks do not split: refused after padding
+        model = surgery.unfuse(seeded_model(self.family, config, 0))
+        self.assert_refused_untouched(model, 5, "has 144 output features")
         self.assertEqual((model.transformer_blocks[0].attn.heads, model.transformer_blocks[0].attn.inner_dim), (6, 48))
 
     def test_plan_shows_the_cost_per_rank(self):
