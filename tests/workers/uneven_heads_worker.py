@@ -4,7 +4,6 @@ zero heads, against the single-device model."""
 from __future__ import annotations
 
 import copy
-import tempfile
 
 import torch
 import torch.distributed as dist
