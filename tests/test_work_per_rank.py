@@ -14,7 +14,7 @@ from peft import LoraConfig, inject_adapter_in_model
 import surgery
 from surgery.core.split_projection import SplitProjection, SplitRows
 from surgery.state_dict import unfuse_state_dict, weight_slices
-from surgery.testing import rel_err, run_on_cpu_ranks, single_rank_group
+from surgery.testing import FP32_GRAD_TOL, rel_err, run_on_cpu_ranks, single_rank_group
 
 import work_per_rank_worker as W
 from conformance_worker import FP32_TOL
@@ -170,6 +170,20 @@ class PerRank(unittest.TestCase):
             if "packed_tp" in r:  # FLUX.3 has no diffusers `_tp_plan`
                 self.assertEqual(work(r["surgery_tp"]), work(r["packed_tp"]), f"rank {rank}")
                 self.assertEqual(r["surgery_tp"]["collective"], r["packed_tp"]["collective"], f"rank {rank}")
+
+    def test_flux3_under_both_call_conventions(self):
+        # diffusers calls FLUX.3's joint single blocks by keyword at inference and positionally under gradient
+        # checkpointing: the same all-reduces (1 per mode block, 2 per joint single block) and bytes either way
+        for rank, result in enumerate(self.ranks):
+            r = result["flux3_conventions"]
+            self.assertEqual(r["keyword"]["calls"], ["keyword"], f"rank {rank}")
+            self.assertEqual(r["positional"]["calls"], ["positional"], f"rank {rank}")
+            for convention in ("keyword", "positional"):
+                self.assertEqual(r[convention]["all_reduces"], 1 * 3 + 2 * 2, f"{convention}, rank {rank}")
+                self.assertLessEqual(r[convention]["error"], FP32_TOL, f"{convention}, rank {rank}")
+            self.assertEqual(r["keyword"]["bytes"], r["positional"]["bytes"], f"rank {rank}")
+            self.assertEqual(r["positional"]["grads"], r["positional"]["parameters"], f"rank {rank}")
+            self.assertLessEqual(r["positional"]["grad_error"], FP32_GRAD_TOL, f"rank {rank}")
 
     def test_fewest_all_reduces(self):
         # FLUX.2 and FLUX.1: 4 per double block (one per rowwise output projection of each stream's attention and
