@@ -5,7 +5,8 @@ blocks of FLUX.1, Chroma, HunyuanVideo, ...; FLUX.2's `to_out`): split by column
 `attn_part(attention output) + mlp_part(MLP hidden)` (the bias, whole, on `attn_part`). It still takes the
 concatenation and cuts it by the ratio of its parts' widths, `attn_in / (attn_in + mlp_in)` of `x.shape[-1]`: true on
 the whole model and on every rank of a column-sharded one (each rank holds the same fraction of both), so the stock
-forward runs unchanged. Both parts shard rowwise, leave partial sums, and one all-reduce resolves their sum.
+forward runs unchanged. Both parts shard rowwise, leave partial sums, and one all-reduce resolves their sum. For inference the two parts are
+laid out in one buffer and multiplied at once (below).
 
 `SplitRows` replaces a Linear whose output rows are several projections (q, k, v; SwiGLU gate and up; FLUX.2's
 q, k, v, gate, up): it returns `cat([part(x) for part in parts], -1)`, which is what the fused Linear returns on the
