@@ -33,7 +33,7 @@ from surgery.core.checks import (
     wrapper_error,
     wrapper_kind,
 )
-from surgery.core.split_projection import pack_all, unpack_all
+from surgery.core.split_projection import pack_all, track_leaves, unpack_all
 from surgery.core.registry import Rewrite
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 from surgery.core.walk import find_modules
@@ -188,6 +188,7 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     object.__setattr__(root, _REPORT_ATTR, records)
     if unfusing:
         pack_all(root)
+    track_leaves(root)
     return root
 
 

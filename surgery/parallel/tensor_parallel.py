@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core import heads_padding
 from surgery.core.errors import SurgeryError
-from surgery.core.split_projection import SplitRows, pack
+from surgery.core.split_projection import CALL, SplitProjection, SplitRows, pack
 from surgery.parallel import quantized as quant
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.parallel.padding import head_paddings
@@ -397,9 +397,11 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
 def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
     """Lay each sharded `SplitRows`' local shards out back to back in one buffer (the parts' local tensors become views of
     it) and give the leaf a `Packed` that runs its parts' style once over it: per rank, the GEMM of diffusers' packed
-    styles. Only leaves whose parts all got the same stock linear style, one that takes its input as it comes
-    (`input_layouts == desired_input_layouts`), are packed; the rest run their parts' own forwards. The number
-    packed."""
+    styles. A `SplitProjection` keeps what its packed weight is multiplied with, for the first forward run for
+    inference to lay out its columns (`surgery.core.split_projection.pack_for_inference`: FSDP2 takes no
+    non-contiguous parameters). Only leaves whose parts all got the same stock linear style, one that takes its input
+    as it comes (`input_layouts == desired_input_layouts`), are packed; the rest run their parts' own forwards. The
+    number of `SplitRows` packed."""
     styles: dict[str, ParallelStyle] = {}
     for block, plan in block_plans(model, planned).items():
         for key, style in plan.items():
@@ -417,14 +419,16 @@ def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
 
     packed = 0
     for path, leaf in model.named_modules():
-        # row parts only: a `SplitProjection`'s column parts laid out in one buffer would be non-contiguous local
-        # tensors, which FSDP2 (TP x FSDP training) refuses
-        if not isinstance(leaf, SplitRows):
+        if not isinstance(leaf, (SplitRows, SplitProjection)):
             continue
+        leaf.__dict__.pop(CALL, None)
         names = [name for name, _ in leaf.named_children()]
         found = [style_of(".".join(p for p in (path, name) if p)) for name in names]
         call = _style_call(found, mesh)
-        if call is not None and all(isinstance(p, DTensor) for p in leaf.parameters()):
+        if call is None or not all(isinstance(p, DTensor) for p in leaf.parameters()):
+            continue
+        leaf.__dict__[CALL] = call
+        if isinstance(leaf, SplitRows):
             packed += pack(leaf, call=call)
     return packed
 
