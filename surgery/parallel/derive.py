@@ -343,24 +343,26 @@ def single_stream_plan(block: nn.Module) -> dict | Refused:
     return {**under(a, attention), m: ColwiseParallel(), **under(o, SPLIT_PROJECTION_TP_PLAN)}
 
 
-# diffusers' names of a feed-forward written beside its model (`...FeedForward`; Krea2's `Krea2SwiGLU`)
-FEED_FORWARD_NAMES = ("FeedForward", "SwiGLU")
+# diffusers' names of a feed-forward written beside its model (`...FeedForward`; `Krea2SwiGLU`, `Ideogram4MLP`)
+FEED_FORWARD_NAMES = ("FeedForward", "SwiGLU", "MLP")
 
 
 def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] | None:
     """`(ins, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
-    plan): a class named `...FeedForward` (or `...SwiGLU`) whose Linears are two, `in` then `out`, with `out` reading `in`'s width
+    plan): a class named `...FeedForward` (or `...SwiGLU`, `...MLP`) whose Linears are two, `in` then `out`, with `out` reading `in`'s width
     (plain) or half of it (gated: rows gate and up fused in `in`); or three, gate and up as two Linears of the same
     shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`). None for any other module."""
     if not any(name in type(module).__name__ for name in FEED_FORWARD_NAMES):
         return None
     linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) == 3:
+        found = []
         for i, (last, b) in enumerate(linears):
             ins = [(p, a) for j, (p, a) in enumerate(linears) if j != i]
             if all(a.out_features == b.in_features and a.in_features == b.out_features for _, a in ins):
-                return tuple(p for p, _ in ins), last, False
-        return None
+                found.append((tuple(p for p, _ in ins), last, False))
+        # square Linears (hidden size = feed-forward width) leave the output one unknown: no rule, not a guess
+        return found[0] if len(found) == 1 else None
     if len(linears) != 2:
         return None
     (first, a), (last, b) = linears
