@@ -39,15 +39,15 @@ from surgery.parallel.dtensor_attention import ImplicitReplication
 
 # diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
 # `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),
-# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`; the head count as `heads` or
-# `num_heads`
+# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`, LongCat-AudioDiT's `q_norm/k_norm`;
+# the head count as `heads` or `num_heads`
 QUERIES = ("to_q", "to_query")
 KEYS = ("to_k", "add_k_proj", "to_key")
 INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t",
                      "to_query", "to_key", "to_value")
 OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t", "out_layer")  # `to_out` where it is the Linear
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
-            "k_rms_norm_t", "query_norm", "key_norm")
+            "k_rms_norm_t", "query_norm", "key_norm", "q_norm", "k_norm")
 HEAD_COUNTS = ("heads", "num_heads")
 
 
