@@ -1,4 +1,4 @@
-"""The earlier DiTs (HunyuanDiT, Latte, Lumina-Next, EasyAnimate, OmniGen), derived from diffusers' building blocks
+"""The earlier DiTs (HunyuanDiT, Latte, EasyAnimate), derived from diffusers' building blocks
 (`surgery.extend.derived_family`): one row per model class, data only (published configs with their source, tiny
 test configs, example inputs). Their classes' defaults do not construct (`in_channels=None`, `patch_size=None`),
 so only a published config builds them. Plans, rewrites and all-reduce counts are derived
@@ -13,9 +13,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 from diffusers.models.transformers.hunyuan_transformer_2d import HunyuanDiT2DModel, HunyuanDiTBlock
 from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
-from diffusers.models.transformers.lumina_nextdit2d import LuminaNextDiT2DModel
 from diffusers.models.transformers.transformer_easyanimate import EasyAnimateTransformer3DModel
-from diffusers.models.transformers.transformer_omnigen import OmniGenTransformer2DModel
 
 from surgery.extend import derived_family
 from surgery_rewrites.derived_joint import GENERIC
@@ -112,26 +110,6 @@ _HUNYUAN_DIT_TINY = dict(num_attention_heads=4, attention_head_dim=8, in_channel
                          hidden_size=32, mlp_ratio=2.0, cross_attention_dim=16, cross_attention_dim_t5=16,
                          pooled_projection_dim=8, text_len=4, text_len_t5=6, use_style_cond_and_image_meta_size=True)
 
-# Phi-3's "su" rotary scaling factors, as diffusers scripts/convert_omnigen_to_diffusers.py passes them
-_OMNIGEN_LONG_FACTOR = (1.0299999713897705, 1.0499999523162842, 1.0499999523162842, 1.0799999237060547,
-    1.2299998998641968, 1.2299998998641968, 1.2999999523162842, 1.4499999284744263, 1.5999999046325684,
-    1.6499998569488525, 1.8999998569488525, 2.859999895095825, 3.68999981880188, 5.419999599456787,
-    5.489999771118164, 5.489999771118164, 9.09000015258789, 11.579999923706055, 15.65999984741211,
-    15.769999504089355, 15.789999961853027, 18.360000610351562, 21.989999771118164, 23.079999923706055,
-    30.009998321533203, 32.35000228881836, 32.590003967285156, 35.56000518798828, 39.95000457763672,
-    53.840003967285156, 56.20000457763672, 57.95000457763672, 59.29000473022461, 59.77000427246094,
-    59.920005798339844, 61.190006256103516, 61.96000671386719, 62.50000762939453, 63.3700065612793,
-    63.48000717163086, 63.48000717163086, 63.66000747680664, 63.850006103515625, 64.08000946044922, 64.760009765625,
-    64.80001068115234, 64.81001281738281, 64.81001281738281)
-_OMNIGEN_SHORT_FACTOR = (1.05, 1.05, 1.05, 1.1, 1.1, 1.1, 1.2500000000000002, 1.2500000000000002, 1.4000000000000004,
-    1.4500000000000004, 1.5500000000000005, 1.8500000000000008, 1.9000000000000008, 2.000000000000001,
-    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-    2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001, 2.000000000000001,
-    2.1000000000000005, 2.1000000000000005, 2.2, 2.3499999999999996, 2.3499999999999996, 2.3499999999999996,
-    2.3499999999999996, 2.3999999999999995, 2.3999999999999995, 2.6499999999999986, 2.6999999999999984,
-    2.8999999999999977, 2.9499999999999975, 3.049999999999997, 3.049999999999997, 3.049999999999997)
-
 FAMILIES = (
     derived_family(
         "hunyuan-dit", HunyuanDiT2DModel, attention=(Attention,), processors=GENERIC,
@@ -173,15 +151,6 @@ FAMILIES = (
                                    caption_channels=16, video_length=2)},
     ),
     derived_family(
-        "lumina-next", LuminaNextDiT2DModel, attention=(Attention,), processors=GENERIC,
-        variants={"sft": dict(sample_size=128, patch_size=2, in_channels=4, hidden_size=2304, num_layers=24,
-                              num_attention_heads=32, num_kv_heads=8, multiple_of=256, ffn_dim_multiplier=None,
-                              norm_eps=1e-5, learn_sigma=True, qk_norm=True, cross_attention_dim=2048,
-                              scaling_factor=1.0)},
-        sources="diffusers scripts/convert_lumina_to_diffusers.py (Alpha-VLLM/Lumina-Next-SFT-diffusers)",
-        default_variant="sft",
-    ),
-    derived_family(
         "easyanimate", EasyAnimateTransformer3DModel, attention=(Attention,),
         variants={
             "v5.1-12b": dict(in_channels=16, out_channels=16, patch_size=2),
@@ -195,14 +164,5 @@ FAMILIES = (
         test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                                    patch_size=2, num_layers=2, mmdit_layers=2, text_embed_dim=16,
                                    time_embed_dim=16, sample_height=16, sample_width=16)},
-    ),
-    derived_family(
-        "omnigen", OmniGenTransformer2DModel, attention=(Attention,),
-        variants={"v1": dict(rope_scaling=dict(long_factor=list(_OMNIGEN_LONG_FACTOR),
-                                               short_factor=list(_OMNIGEN_SHORT_FACTOR), type="su"),
-                             patch_size=2, in_channels=4, pos_embed_max_size=192)},
-        sources="diffusers scripts/convert_omnigen_to_diffusers.py (Shitao/OmniGen-v1-diffusers: Phi-3-mini's 32 "
-        "layers of 32 heads x 96 from the class defaults)",
-        default_variant="v1",
     ),
 )

@@ -82,6 +82,16 @@ def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
         test.skipTest(f"{family_name} fuses nothing (plans only): nothing to unfuse; see PlansOnly")
 
 
+class EveryFamily(unittest.TestCase):
+    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants], name_func=_name)
+    def test_is_run_by_this_suite(self, family_name):
+        # the README, docs/families.md and `surgery families` list a family as sharded only if this suite runs it
+        self.assertTrue(W.families()[family_name].test_configs,
+                        f"{family_name} registers published variants but no test configs, so this suite never runs "
+                        "it and nothing proves it shards: add test_configs (its structure at tiny widths)")
+        self.assertIn(family_name, {name for name, _ in TP_CASES})
+
+
 class Equivalence(unittest.TestCase):
     @parameterized.expand(CASES, name_func=_name)
     def test_forward_and_backward_fp32(self, family_name, config_name):
@@ -297,3 +307,54 @@ class Convert(unittest.TestCase):
                 self.assertTrue(torch.equal(back[key], value), key)
             reloaded = model_class(family).from_pretrained(f"{tmp}/fused")
             self.assertEqual(sorted(reloaded.state_dict()), sorted(original))
+
+
+def proven_errors(world: int) -> dict[str, dict[str, float]]:
+    """Each family's world-`world` gloo run, checked as `TensorParallel` checks it: `{family: {"forward",
+    "gradients"}}`, the largest relative errors over its ranks. Raises where any family fails: no proof of a failure."""
+    errors: dict[str, dict[str, float]] = {}
+    for by_case in run_on_cpu_ranks(W.run, world, TP_CASES, {}):
+        for key, r in by_case.items():
+            family = W.families()[key.partition("/")[0]]
+            failed = [what for what, bad in (
+                ("forward", r["forward"] > W.FP32_TOL),
+                ("gradients", max(r["param_grads"], r["input_grads"]) > W.grad_tolerance(family)),
+                ("bytes per rank", r["bytes"] != r["expected_bytes"]),
+                ("all-reduces", r["expected_all_reduces"] is not None
+                 and r["collectives"] != {"all_reduce": r["expected_all_reduces"]}))
+                if bad]
+            if failed:
+                raise AssertionError(f"{key} at world {world} fails its {', '.join(failed)}: {r}")
+            seen = errors.setdefault(family.name, {"forward": 0.0, "gradients": 0.0})
+            seen["forward"] = max(seen["forward"], float(f"{r['forward']:.1e}"))
+            seen["gradients"] = max(seen["gradients"], float(f"{max(r['param_grads'], r['input_grads']):.1e}"))
+    return errors
+
+
+def regenerate() -> None:
+    """Writes the proof (surgery/app/families.json), docs/families.md and the README's table from a real run: the plan
+    step for every diffusers transformer class, and each registered family's gloo run at world 2 and 4. Run it by
+    hand after adding or changing a family (about as long as the conformance suite's two tensor-parallel jobs)."""
+    from surgery.app import coverage
+
+    missing = [f.name for f in surgery.extend.families().values() if f.variants and not f.test_configs]
+    if missing:
+        raise SystemExit(f"families with published variants but no test configs, so nothing proves them: {missing}")
+    errors = {world: proven_errors(world) for world in (2, 4)}
+    rows = []
+    for cls in coverage.transformer_classes():
+        row = coverage.class_status(cls)
+        if row["family"]:
+            if row["status"] != "sharded":
+                raise SystemExit(f"{row['family']} ({row['class']}) is registered but {row['status']}: "
+                                 f"{row['reason']}")
+            row["errors"] = {str(world): errors[world][row["family"]] for world in (2, 4)}
+        rows.append(row)
+    coverage.write_proof(rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--regenerate" in sys.argv:
+        regenerate()
