@@ -3,7 +3,7 @@
 `surgery families` answers from the committed proof (`surgery/app/families.json`: every diffusers transformer class,
 sharded or refused, as the conformance suite last proved it) without importing torch, diffusers or the `surgery`
 package, whose `__init__` alone takes seconds; every other command, `surgery families --rebuild` included, goes to
-`surgery.app.cli`. The proof is written by `python tests/families/test_conformance.py --regenerate`, and a test
+`surgery.app.cli`. The proof is written by `python tests/families/proof.py`, and a test
 fails when it, the README's table or docs/families.md disagree with the registry.
 """
 

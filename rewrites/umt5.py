@@ -17,7 +17,7 @@ from surgery_rewrites.t5 import ATTENTION_TP_PLAN, GATED_MLP_TP_PLAN, MLP_TP_PLA
 # The head-dim twin is built from transformers' own source, so this family needs transformers imported; without it no
 # UMT5 model can exist in this process and there is nothing to register (a transformer-only user has no transformers).
 try:
-    from transformers.models.umt5 import modeling_umt5 as M
+    from transformers.models.umt5 import modeling_umt5 as M  # optional: only where transformers is installed
 except ImportError:
     M = None
 
