@@ -191,6 +191,7 @@ class PlansOnly(unittest.TestCase):
             self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{family_name}-{variant}")
 
 
+@pytest.mark.heavy  # published widths, on meta: every variant built and every family planned at TP 8 (CI's second run)
 class FullSize(unittest.TestCase):
     @parameterized.expand(VARIANTS, name_func=_name)
     def test_published_variant_rewrites_on_meta(self, family_name, variant):
