@@ -51,8 +51,6 @@ class Proof(unittest.TestCase):
             for world, errors in row["errors"].items():
                 self.assertLessEqual(errors["forward"], W.FP32_TOL, (family.name, world))
                 self.assertLessEqual(errors["gradients"], W.grad_tolerance(family), (family.name, world))
-            if family.count_all_reduces is not None:
-                self.assertEqual(row["all_reduces"], family.count_all_reduces(family.config()), family.name)
 
     def test_every_registered_family_is_in_the_proof(self):
         self.assertLessEqual(set(self.registered), {r["class"] for r in self.proof["classes"]})
@@ -72,7 +70,7 @@ class SurgeryFamilies(unittest.TestCase):
                 "print(sorted(m for m in ('torch', 'diffusers', 'surgery') if m in sys.modules))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
         self.assertEqual(out, surgery_cli.listing() + "\n[]\n")
-        rows = out.splitlines()
+        rows = out.splitlines()[:-1]
         self.assertEqual(len(rows), 2 + len(coverage.transformer_classes()) + 1)  # header, a row per class, summary
 
     def test_the_package_command_prints_the_same(self):
@@ -99,8 +97,8 @@ class SurgeryFamilies(unittest.TestCase):
         self.assertIn("add --rebuild", err.getvalue())
 
 
-@pytest.mark.heavy  # every class built on meta and planned (minutes): the proof's plan-step columns are current
-def test_the_proofs_plan_step_is_the_codes():
+@pytest.mark.heavy  # every class built on meta and planned (minutes): the proof's plan-step columns (status,
+def test_the_proofs_plan_step_is_the_codes():  # all-reduces per forward, reason) are what the code plans now
     for row, cls in zip(surgery_cli.read_proof()["classes"], coverage.transformer_classes()):
         now = coverage.class_status(cls)
         assert {k: row[k] for k in now} == now, cls.__name__
