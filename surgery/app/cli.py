@@ -19,6 +19,7 @@ from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
 from surgery.parallel.plans import block_path, checked_plan, effective_plan, plan_source, style_source, wildcard_path
 from surgery.sight import diagram, forms, render, report, svg
 from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
+from surgery_cli import listing
 
 
 def _positive(text: str) -> int:
@@ -203,14 +204,18 @@ def _convert_command(commands, epilog: str) -> None:
 
 def _families_command(commands) -> None:
     """`surgery families`: every diffusers transformer class, sharded or refused."""
-    listing = commands.add_parser(
+    command = commands.add_parser(
         "families", formatter_class=_Formatter,
-        help="every diffusers transformer class: sharded (all-reduces per forward) or refused (the reason)",
-        description="Builds each class of diffusers.models.transformers on meta (its family's default published "
-        "config, else the class's defaults), unfuses it and plans it for 2 ranks as tensor_parallel does; prints "
-        "one row per class (docs/families.md is this table). Takes about a minute.",
+        help="every diffusers transformer class: sharded (all-reduces per forward, errors) or refused (the reason)",
+        description="Prints what the conformance suite last proved (surgery/app/families.json; docs/families.md is "
+        "this table): one row per class of diffusers.models.transformers, sharded (all-reduces per forward, the "
+        "largest error at world 2 and 4) or refused (the reason). Builds nothing.",
     )
-    listing.add_argument("--world", type=_positive, default=2, help="ranks to plan for (default 2)")
+    command.add_argument("--rebuild", action="store_true",
+                         help="plan every installed class anew instead: each built on meta (its family's default "
+                         "published config, else the class's defaults), unfused and planned as tensor_parallel plans "
+                         "it (minutes; no errors: those come from the conformance suite)")
+    command.add_argument("--world", type=_positive, default=2, help="ranks to plan for with --rebuild (default 2)")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                  if given]
         if extra:
             parser.error(f"--quant plans the transformer over TP alone: drop {', '.join(extra)}")
+    elif args.command == "families" and args.world != 2 and not args.rebuild:
+        parser.error("the proof is at world 2 (and 4): add --rebuild to plan for --world")
     elif args.command == "plan" and args.tp is None:
         parser.error("the following arguments are required: --tp")
     try:
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(parser, args)
         if args.command == "families":
-            print(coverage.table([coverage.class_status(cls, args.world) for cls in coverage.transformer_classes()]))
+            print(coverage.rebuilt_table(args.world) if args.rebuild else listing())
             return 0
         if args.command == "convert":
             written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
