@@ -8,7 +8,7 @@ Load it with `-p plugin` (this folder on `PYTHONPATH`; `run.py` does both). Opti
   the weights are in). Without the option the plugin only provides the stand-ins (the stock run).
 - `--surgery-streams-off`: diffusers' group-offloading tests run on the CPU as they run on an accelerator, with
   `enable_group_offload(use_stream=False, record_stream=False)` (a CPU has no streams) and without their "requires a
-  hardware accelerator" skip (the CPU is the onload device); both runs of a comparison take the same option.
+  hardware accelerator" / "requires accelerator+PyTorch" skip (the CPU is the onload device); both runs of a comparison take the same option.
 - Stand-ins (always on): diffusers' pipeline and LoRA tests read a few tiny tokenizers, configs and text encoders
   from the Hub (`hf-internal-testing/tiny-random-t5`, `-clip`, `-Qwen2VLForConditionalGeneration`). There is no
   Hub here: the plugin builds local folders of the same kind (BPE tokenizers trained on a few sentences, a T5 encoder
@@ -51,7 +51,7 @@ def pytest_report_header(config):
     return f"surgery diffusers-suites plugin: {mode}"
 
 
-_ACCELERATOR = "test requires a hardware accelerator"
+_ACCELERATOR = ("test requires a hardware accelerator", "test requires accelerator+PyTorch")  # new and old mixins
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config, items):
         if "group_offloading" in item.name:
             markers = item.iter_markers  # the class's skip mark reaches the item through this (skipping reads it)
             item.iter_markers = lambda name=None, _markers=markers: (
-                m for m in _markers(name) if not (m.name == "skipif" and m.kwargs.get("reason") == _ACCELERATOR))
+                m for m in _markers(name) if not (m.name == "skipif" and m.kwargs.get("reason") in _ACCELERATOR))
 
 
 def _install_streams_off() -> None:
