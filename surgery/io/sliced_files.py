@@ -21,6 +21,7 @@ import torch.nn as nn
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.prequantized import block_layout, dequantizable, dequantizable_names
 
 _GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
@@ -150,10 +151,7 @@ class GGUFFile(SlicedFile):
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            from gguf import GGUFReader  # optional: GGUF checkpoints only
-        except ImportError as error:
-            raise SurgeryError(f"'{path}' is a GGUF file; reading it needs the gguf package ({error}).") from None
+        GGUFReader = need("gguf", f"'{path}', a GGUF file,").GGUFReader
         try:
             reader = GGUFReader(self.path)  # maps the file; only its header is read here
         except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds on a bad file
@@ -176,9 +174,7 @@ class GGUFFile(SlicedFile):
 
 def _ggml_name(ggml_type: int) -> str:
     try:
-        from gguf import GGMLQuantizationType  # optional: GGUF checkpoints only (imported by GGUFFile already)
-
-        return f"{GGMLQuantizationType(ggml_type).name} (type {ggml_type})"
+        return f"{need('gguf', 'a GGUF type name').GGMLQuantizationType(ggml_type).name} (type {ggml_type})"
     except ValueError:
         return f"type {ggml_type}"
 
