@@ -117,15 +117,15 @@ MUTATIONS = [
         ["tests/parallel/test_pipeline_refusal.py::RefusedTransformer"]),
     ("CLI: a mesh size unbounded (a 23-digit --tp reaches torch)", "surgery/app/cli.py",
         '_ranks = _between(1, 2**16, "ranks of a mesh")', '_ranks = _between(1, 10**30, "ranks of a mesh")',
-        ["tests/core/test_cli_hostile.py"]),
+        ["tests/app/test_cli_hostile.py"]),
     ("CLI: an unforeseen error printed as a traceback", "surgery/app/cli.py",
         "    except Exception as error:  # noqa: BLE001 - a command line never ends",
         "    except ZeroDivisionError as error:  # noqa: BLE001 - a command line never ends",
-        ["tests/core/test_cli_hostile.py"]),
+        ["tests/app/test_cli_hostile.py"]),
     ("config: sizes past any model built anyway", "surgery/core/build.py",
         "        if value > most:", "        if False:",
-        ["tests/core/test_cli_hostile.py::HostileArguments::test_a_config_too_large_to_build_is_refused_before_the_model_class_sees_it",
-         "tests/core/test_cli_hostile.py::HostileArguments::test_refusals_exit_one_with_one_line_05_plan_tp_2_config_TMP_config2_json"]),
+        ["tests/app/test_cli_hostile.py::HostileArguments::test_a_config_too_large_to_build_is_refused_before_the_model_class_sees_it",
+         "tests/app/test_cli_hostile.py::HostileArguments::test_refusals_exit_one_with_one_line_05_plan_tp_2_config_TMP_config2_json"]),
     ("save_pretrained: a quantized weight written (fails inside the write)", "surgery/io/saving.py",
         "    _check_plain(model)\n", "", ["tests/io/test_quantized_save.py"]),
     ("save_lora_adapter (sharded): the adapter name checked by diffusers on one rank, before the ranks agree",
@@ -141,7 +141,7 @@ MUTATIONS = [
         "            os.chmod(staged, (target.stat().st_mode & 0o7777) if target.exists() else 0o777 & ~_umask())\n", "",
         ["tests/io/test_atomic_mode.py"]),
     ("docs: a name that does not exist (the old usage.md's surgery.extend.tp_plans)", "docs/usage.md",
-        "`surgery.extend.families()`", "`surgery.extend.tp_plans()`", ["tests/core/test_docs_names.py"]),
+        "`surgery.extend.families()`", "`surgery.extend.tp_plans()`", ["tests/app/test_docs_names.py"]),
 ]
 
 
