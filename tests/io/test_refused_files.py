@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import surgery
 from surgery.testing import single_rank_group
 from surgery_rewrites.flux2 import seeded_model
-from gguf_testing import GGUF_CONFIG, bfl_state_dict, write_config, write_fp8
+from gguf_testing import GGUF_CONFIG, write_fp8, write_stored
 
 WEIGHT = "double_blocks.0.img_attn.proj.weight"  # BFL's name of transformer_blocks.0.attn.to_out.0.weight
 
@@ -25,23 +25,17 @@ def write_gguf_with(path: Path, kind: str) -> Path:
     """A FLUX.2 GGUF file whose every tensor is F32 but `WEIGHT`, stored as GGML type `kind` (bytes of that type)."""
     import gguf
 
-    model = seeded_model(GGUF_CONFIG, 0)
     qtype = gguf.GGMLQuantizationType[kind]
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    writer = gguf.GGUFWriter(str(path), "flux")
-    for name, value in bfl_state_dict(model).items():
-        if name == WEIGHT:
-            rows, cols = value.shape
-            data = np.random.default_rng(0).integers(0, 127, (rows, cols // block * block_bytes)).astype(np.uint8)
-            writer.add_tensor(name, data.view(np.int8) if kind == "I8" else data, raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, value.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    write_config(model, path.parent)
-    return path
+
+    def stored(name, array):
+        if name != WEIGHT:
+            return None
+        rows, cols = array.shape
+        data = np.random.default_rng(0).integers(0, 127, (rows, cols // block * block_bytes)).astype(np.uint8)
+        return (data.view(np.int8) if kind == "I8" else data), qtype
+
+    return write_stored(seeded_model(GGUF_CONFIG, 0), path, stored)
 
 
 def load(path: Path):
