@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 from pipeline_testing import TRANSFORMER, text_encoder, tokenizer, vae
+from surgery.core.walk import find_modules
 from surgery.parallel.distributed import fake_process_group
 from surgery.testing import assert_unchanged, snapshot
 from surgery_rewrites.flux2 import seeded_model
@@ -38,6 +39,7 @@ class RefusedTransformer(unittest.TestCase):
             surgery.tensor_parallel_pipeline(pipe, init_device_mesh("cpu", (2,)))
         assert_unchanged(pipe.text_encoder, before)
         for name, (modules, values) in stock.items():  # unfused for the check, fused back: stock classes and values
+            self.assertEqual(find_modules(pipe.components[name], fused=False), [], name)  # nothing left unfused
             now = tree(pipe.components[name])
             self.assertEqual(now[0], modules, name)
             self.assertEqual(list(now[1]), list(values), name)
