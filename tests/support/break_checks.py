@@ -125,8 +125,8 @@ MUTATIONS = [
         ["tests/app/test_cli_hostile.py::HostileArguments::test_an_unforeseen_error_is_one_line_naming_itself_a_bug"]),
     ("config: sizes past any model built anyway", "surgery/core/build.py",
         "        if value > most:", "        if False:",
-        ["tests/app/test_cli_hostile.py::HostileArguments::test_a_config_too_large_to_build_is_refused_before_the_model_class_sees_it",
-         "tests/app/test_cli_hostile.py::HostileArguments::test_refusals_exit_one_with_one_line_05_plan_tp_2_config_TMP_config2_json"]),
+        # (not the num_layers=1e30 case: broken, it builds layers forever)
+        ["tests/app/test_cli_hostile.py::HostileArguments::test_refusals_exit_one_with_one_line_05_plan_tp_2_config_TMP_config2_json"]),
     ("save_pretrained: a quantized weight written (fails inside the write)", "surgery/io/saving.py",
         "    _check_plain(model)\n", "", ["tests/io/test_quantized_save.py"]),
     ("save_lora_adapter (sharded): the adapter name checked by diffusers on one rank, before the ranks agree",
