@@ -596,7 +596,7 @@ class _World:
 
 
 def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_serialization: bool,
-                 weight_name: str | None) -> None:
+                 weight_name: str | None, upcast: bool = False) -> None:
     """`save_lora_adapter` on a tensor-parallel model: every rank calls it; the factors are gathered one at a time
     (`surgery.lora.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
     (`surgery.io.atomic.staged_folder`; other files in the folder are kept), and every rank returns once it is written
@@ -618,11 +618,19 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
         if target.is_file():
             raise SurgeryError(f"{verb}: '{target}' is a file; pass a folder.")
 
-    folders = agree_and_share(mesh, verb, check, lambda _: os.path.abspath(target))[1]
+    shared = agree_and_share(mesh, verb, check, lambda _: (os.path.abspath(target), adapter_name))[1]
+    folders = [folder for folder, _ in shared]
     if len(set(folders)) > 1:  # rank 0 alone writes: another rank's folder would stay empty, unseen
         odd = next(r for r, f in enumerate(folders) if f != folders[0])
         raise SurgeryError(f"surgery.{verb}: rank {odd} saves into '{folders[odd]}', rank 0 into '{folders[0]}'; "
                            "nothing was written. Pass the same folder on every rank (rank 0 writes it).")
+    names = [name for _, name in shared]
+    if len(set(names)) > 1:  # each rank would gather another adapter's factors into one file
+        odd = next(r for r, n in enumerate(names) if n != names[0])
+        raise SurgeryError(f"surgery.{verb}: rank {odd} saves the adapter {names[odd]!r}, rank 0 {names[0]!r}; "
+                           "nothing was written. Pass the same adapter_name on every rank.")
+    if upcast:
+        model.to(dtype=torch.float32)
     state_dict, config = stock_lora_adapter(model, adapter_name)  # collectives: every rank, same order
     error: BaseException | None = None
     if torch.distributed.get_rank() == 0:  # one writer, also when several TP groups (data-parallel) call it

@@ -44,7 +44,9 @@ from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
 )
+from surgery.core.prequantized import gguf_weight, type_name
 from surgery.parallel.agreement import agree, agree_and_share
+from surgery.parallel.quantized import quantized
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -208,6 +210,7 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
     shard_bytes(max_shard_size)
     if getattr(model, "hf_quantizer", None) is not None:
         raise SurgeryError(f"{VERB}: the model is quantized; save it with model.save_pretrained.")
+    _check_plain(model)
     peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if peft:
         raise SurgeryError(
@@ -215,6 +218,22 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
             "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
         )
     return target
+
+
+def _check_plain(model: nn.Module) -> None:
+    """Only plain weights are written: a torchao or GGUF tensor (quantized by the user, or read per rank by
+    load_tensor_parallel) would fail deep inside the write, or be written as something diffusers cannot read."""
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if quantized(param) or quantized(local) or type(local) not in (torch.Tensor, nn.Parameter):
+            tensor = param if quantized(param) else local
+            kind = (f"GGUF {type_name(tensor.ggml_type)} bytes" if gguf_weight(tensor)
+                    else f"a {type(tensor).__module__.split('.')[0]} {type(tensor).__name__}")
+            raise SurgeryError(
+                f"{VERB}: '{name}' of '{name.rpartition('.')[0]}' is quantized ({kind}); a diffusers checkpoint "
+                "holds plain weights. Save the model before quantizing it and quantize again after loading, or keep "
+                "the quantized file it was loaded from (load_tensor_parallel reads it per rank)."
+            )
 
 
 def save_pretrained(

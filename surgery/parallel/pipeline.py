@@ -22,7 +22,7 @@ from surgery.core.build import default_dtype, model_on_meta, resolve_config
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.core.registry import families, resolve_model
-from surgery.core.rewrite import unfuse
+from surgery.core.rewrite import fuse, unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.plans import checked_plan, planned_modules
@@ -53,34 +53,49 @@ def _no_plan_reason(model: nn.Module) -> str:
     return f"no tensor-parallel plan: none registered with surgery for {cls.__name__}{shipped}"
 
 
-def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None,
-                    required: bool = False) -> dict:
-    """Unfuse (where fused modules are registered) and shard one component; or leave it whole, saying why.
+def plan_component(name: str, model: nn.Module, world: int, *, required: bool = False) -> dict:
+    """Unfuse (where fused modules are registered) and check one component for a mesh of `world` ranks: its report
+    row, with the reason it stays whole ("" where it shards). Nothing is sharded here.
 
-    `required`: a component that cannot be sharded raises instead (the pipeline's transformer).
+    `required`: a component that cannot be sharded raises instead (the pipeline's transformer), fused back first.
     """
 
-    row = {"component": name, "class": type(model).__name__}
-    if find_modules(model, fused=True):
+    row = {"component": name, "class": type(model).__name__, "unfused": bool(find_modules(model, fused=True))}
+    if row["unfused"]:
         unfuse(model)
-        row["unfused"] = True
-    planned = planned_modules(model)
-    reason = None
-    if not planned:
-        reason = _no_plan_reason(model)
-    else:
-        try:
-            checked_plan(model, None, None, mesh.size())  # the checks tensor_parallel makes, coverage included
-        except SurgeryError as error:
-            if required:
-                raise
-            reason = f"cannot be sharded over {mesh.size()}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
-    if reason is not None and required:
-        raise SurgeryError(f"surgery.tensor_parallel_pipeline: the pipeline's {name} ({type(model).__name__}) has "
-                           f"{reason}.")
-    if reason is None:
+    try:
+        reason = None
+        if not planned_modules(model):
+            reason = _no_plan_reason(model)
+        else:
+            try:
+                checked_plan(model, None, None, world)  # the checks tensor_parallel makes, coverage included
+            except SurgeryError as error:
+                if required:
+                    raise
+                reason = f"cannot be sharded over {world}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
+        if reason is not None and required:
+            raise SurgeryError(f"surgery.tensor_parallel_pipeline: the pipeline's {name} ({type(model).__name__}) "
+                               f"has {reason}.")
+    except BaseException:
+        if row["unfused"]:
+            fuse(model)
+        raise
+    return {**row, "reason": reason or ""}
+
+
+def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None,
+                    required: bool = False) -> dict:
+    """`plan_component`, then shard the component where it can be: its report row with its bytes per rank."""
+
+    row = plan_component(name, model, mesh.size(), required=required)
+    return _shard(row, model, mesh, src_data_rank)
+
+
+def _shard(row: dict, model: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> dict:
+    if not row["reason"]:
         tensor_parallel(model, mesh, src_data_rank=src_data_rank)
-    return {**row, "sharded": reason is None, "reason": reason or "", **_bytes(model)}
+    return {**row, "sharded": not row["reason"], **_bytes(model)}
 
 
 def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> list[dict]:
@@ -91,20 +106,31 @@ def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | Non
     `surgery.tensor_parallel` raises). Text encoders are sharded with transformers' own plan or a registered one;
     one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. VAEs,
     tokenizers, schedulers and processors stay whole. Call it on every rank, with identical pipelines.
+
+    Every component is planned and checked before the first is sharded: a refused transformer leaves the whole
+    pipeline as it was (components unfused for the check are fused back).
     """
 
     mesh = one_dim_mesh(mesh)
-    report = []
-    for name, component in pipe.components.items():
-        if component is None:
-            continue
-        if not isinstance(component, nn.Module):
-            report.append({"component": name, "class": type(component).__name__, "sharded": False,
-                           "reason": "not a torch module (no weights to shard)", "bytes": 0, "bytes_per_rank": 0,
-                           "sharded_bytes_per_rank": 0, "replicated_bytes_per_rank": 0})
-            continue
-        report.append(shard_component(name, component, mesh, src_data_rank=src_data_rank,
-                                      required=name == "transformer"))
+    planned = []  # (module or None, row), in the pipeline's order
+    try:
+        for name, component in pipe.components.items():
+            if component is None:
+                continue
+            if not isinstance(component, nn.Module):
+                planned.append((None, {"component": name, "class": type(component).__name__, "sharded": False,
+                                       "reason": "not a torch module (no weights to shard)", "bytes": 0,
+                                       "bytes_per_rank": 0, "sharded_bytes_per_rank": 0,
+                                       "replicated_bytes_per_rank": 0}))
+                continue
+            planned.append((component, plan_component(name, component, mesh.size(), required=name == "transformer")))
+    except BaseException:
+        for component, row in reversed(planned):
+            if row.get("unfused"):
+                fuse(component)
+        raise
+    report = [row if component is None else _shard(row, component, mesh, src_data_rank)
+              for component, row in planned]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("surgery.tensor_parallel_pipeline over %d ranks:\n%s", mesh.size(), report_text(report))
     return report
