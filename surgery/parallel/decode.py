@@ -97,10 +97,10 @@ class _Calls:
             self.mine.append(sample.detach())
         return _with_sample(torch.empty(sample.shape, dtype=sample.dtype, device="meta"), rest)
 
-    def layout(self) -> dict[str, str]:
+    def layout(self, latents: str) -> dict[str, str]:
         """What every rank must have seen alike before the gather (compared by digest)."""
         calls = repr(list(zip(self.inputs, self.shapes, self.owners)))
-        return {"calls": f"{len(self.shapes)} decoder calls in {self.tiles} tiles",
+        return {"latents": latents, "calls": f"{len(self.shapes)} decoder calls in {self.tiles} tiles",
                 "layout": hashlib.blake2b(calls.encode(), digest_size=16).hexdigest()}
 
 
@@ -189,7 +189,8 @@ def _split_decode(vae: nn.Module, mesh: DeviceMesh, original, args, kwargs):
             original(*args, **kwargs)
         return calls
 
-    agree(mesh, VERB, run_first_pass, lambda c: {"decode": c.layout()}, during="decoding its tiles")
+    latents = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in _tensors(args, kwargs))
+    agree(mesh, VERB, run_first_pass, lambda c: {"decode": c.layout(latents)}, during="decoding its tiles")
     samples = iter(_gather(calls, group, device[0] if device else torch.device("cpu")))
     replayed = iter(zip(calls.inputs, calls.rests))
 

@@ -123,3 +123,72 @@ def decode_job(rank: int, world: int, name: str) -> dict:
         "state_restored": tiling_state(vae) == before, "use_tiling_after": vae.use_tiling,
         "checksum": float(out.double().sum()),
     }
+
+
+def decode_all(rank: int, world: int, names: tuple[str, ...]) -> dict:
+    """`decode_job` of each case in one job (a spawned job costs more here than the tiny decodes)."""
+    return {name: decode_job(rank, world, name) for name in names}
+
+
+def refusals(rank: int, world: int) -> dict:
+    """What is refused, on every rank at once: a VAE without diffusers' tiled decode, and latents that differ
+    between the ranks (every rank raises, none waits in the gather)."""
+    import surgery
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    torch.manual_seed(0)
+    whole = diffusers.AutoencoderKLTemporalDecoder(block_out_channels=(32,), latent_channels=4)
+    try:
+        surgery.decode_parallel(whole, mesh)
+        out["no_tiles"] = None
+    except surgery.SurgeryError as error:
+        out["no_tiles"] = str(error)
+    out["no_tiles_untouched"] = "decode" not in whole.__dict__
+    vae, latents = build("AutoencoderKL")
+    surgery.decode_parallel(vae, mesh)
+    if rank == world - 1:
+        latents = latents[..., :-4]
+    before = tiling_state(vae)
+    try:
+        with torch.no_grad():
+            vae.decode(latents)
+        out["differing_latents"] = None
+    except surgery.SurgeryError as error:
+        out["differing_latents"] = str(error)
+    out["state_after_refusal"] = tiling_state(vae) == before
+    # with gradients on, the VAE decodes whole: diffusers' own untiled decode, gradients included
+    vae.requires_grad_(True)
+    same = build("AutoencoderKL")[1]
+    got = vae.decode(same).sample
+    expected_vae = build("AutoencoderKL")[0]
+    out["grad_decode_whole"] = torch.equal(got.detach(), expected_vae.decode(same).sample.detach())
+    out["grad_flows"] = got.requires_grad
+    return out
+
+
+def pipeline_job(rank: int, world: int) -> dict:
+    """The tiny FLUX.1 pipeline at 64x64 (4 VAE tiles): `tensor_parallel_pipeline` against the single-device
+    pipeline with diffusers' tiled decode on."""
+    import surgery
+    import whole_pipeline_testing as WP
+    from surgery.testing import rel_err
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def image(pipe):
+        return pipe(prompt="a red fox in fresh snow", height=64, width=64, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0), output_type="pt", max_sequence_length=16,
+                    guidance_scale=3.5).images
+
+    pipe = WP.flux1_pipeline(0)
+    pipe.vae.enable_tiling()
+    expected = image(pipe)
+    pipe.vae.disable_tiling()
+    report = surgery.tensor_parallel_pipeline(pipe, mesh)
+    computed = ComputedTiles(pipe.vae)
+    got = image(pipe)
+    computed.handle.remove()
+    return {"error": rel_err(got, expected), "std": float(expected.std()), "computed_calls": computed.calls,
+            "use_tiling_after": pipe.vae.use_tiling,
+            "report": {r["component"]: (r["sharded"], r["reason"]) for r in report}}
