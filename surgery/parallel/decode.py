@@ -22,7 +22,9 @@ decoded sample) or wrote into its arguments; any other call starts a new tile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import types
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -236,14 +238,12 @@ def decode_parallel(vae: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """
     mesh = one_dim_mesh(mesh)
     agree(mesh, VERB, lambda: _check(vae), lambda _: fingerprint(vae, mesh.size(), None, weights=True))
-    if "decode" in vae.__dict__:
-        del vae.decode  # split again over this mesh
-    if not _exchanges(mesh):
-        return vae
-    original = vae.decode
-
-    def decode(*args, **kwargs):
-        return _split_decode(vae, mesh, original, args, kwargs)
-
-    vae.decode = decode
+    vae.__dict__.pop("decode", None)  # split again over this mesh
+    if _exchanges(mesh):
+        # a method of the VAE (bound anew by copy.deepcopy), not a closure over this one
+        vae.decode = types.MethodType(functools.partial(_decode, mesh), vae)
     return vae
+
+
+def _decode(mesh: DeviceMesh, vae: nn.Module, *args, **kwargs):
+    return _split_decode(vae, mesh, type(vae).decode.__get__(vae), args, kwargs)  # diffusers' own, with its hooks
