@@ -36,12 +36,12 @@ import diffusers  # noqa: E402
 # name -> class, config (the published layout at a fraction of the width), latents, tile sizes for enable_tiling
 VAES = {
     "flux1": ("AutoencoderKL", dict(
-        block_out_channels=[32, 64, 128, 128], down_block_types=["DownEncoderBlock2D"] * 4,
-        up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=16, norm_num_groups=32,
-        sample_size=256), (1, 16, 64, 64), {}),  # a 512x512 image, tiles of 256 (32 latents) every 192
-    "wan": ("AutoencoderKLWan", dict(base_dim=32, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+        block_out_channels=[32, 64, 64, 64], down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=1, latent_channels=16, norm_num_groups=32,
+        sample_size=256), (1, 16, 48, 48), {}),  # a 384x384 image: 4 tiles of 256 (32 latents) every 192
+    "wan": ("AutoencoderKLWan", dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
                                      temperal_downsample=[False, True, True]),
-            (1, 16, 5, 24, 24),  # 17 frames of 192x192, tiles of 96 every 64
+            (1, 16, 3, 24, 24),  # 9 frames of 192x192: 9 tiles of 96 every 64, 3 frame chunks each
             dict(tile_sample_min_height=96, tile_sample_min_width=96, tile_sample_stride_height=64,
                  tile_sample_stride_width=64)),
 }
@@ -96,7 +96,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vaes", default=",".join(VAES))
     p.add_argument("--worlds", default="2,4")
-    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1)
     args = p.parse_args()
     rows = []
     for name in args.vaes.split(","):

@@ -5,8 +5,10 @@ frame chunk of a tile, keeps every decoded tile, and only then blends neighbours
 split at the `decoder` calls, and diffusers' own code runs unchanged around them, twice:
 
 1. every rank runs the VAE's own `decode`; its `decoder` computes the calls of the tiles this rank owns and, for the
-   others, only their shapes (torch's `FakeTensorMode`: no memory, no arithmetic). Every call returns a placeholder
-   on the meta device, so diffusers' blending runs on shapes only and nothing is written into a decoded tile;
+   others, only their shapes: the decoder run on the meta device (`torch.func.functional_call` with meta copies of
+   its weights: no memory, no arithmetic), or, for a call that takes and hands on no state, the shape an earlier
+   call with the same arguments' shapes gave. Every call returns a placeholder on the meta device, so diffusers'
+   blending runs on shapes only and nothing is written into a decoded tile;
 2. the ranks agree (the same calls, the same shapes, nobody failed), then one `all_gather` gives every rank every
    decoded tile, as bytes;
 3. every rank runs `decode` again; its `decoder` computes nothing and hands back the gathered tiles in call order, so
@@ -31,7 +33,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_leaves
 
@@ -76,21 +77,39 @@ class _Calls:
     mine: list[torch.Tensor] = field(default_factory=list)
     tiles: int = 0
     carried: dict[int, torch.Tensor] = field(default_factory=dict)  # state the last call handed on, by id
+    stateless: dict[str, tuple] = field(default_factory=dict)  # output shape by argument shapes, stateless calls
+    meta: dict[str, torch.Tensor] | None = None  # the decoder's weights as meta tensors, by name under `_Run`
 
-    def first_pass(self, decoder_forward, fake: FakeTensorMode, args, kwargs):
+    def shapes_only(self, decoder: nn.Module, decoder_forward, args, kwargs):
+        """The call run on the meta device: the decoder's weights and the call's tensors as meta tensors (tensors in
+        containers, a cache the decoder fills, are already meta: written by its earlier meta calls)."""
+        run = _Run(decoder, decoder_forward)
+        if self.meta is None:
+            self.meta = {name: torch.empty_like(t, device="meta")
+                         for name, t in [*run.named_parameters(), *run.named_buffers()]}
+        to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return torch.func.functional_call(run, self.meta, tuple(map(to_meta, args)),
+                                          {k: to_meta(v) for k, v in kwargs.items()})
+
+    def first_pass(self, decoder: nn.Module, decoder_forward, args, kwargs):
         given = _tensors(args, kwargs)
-        if not any(id(t) in self.carried for t in given):
+        continues = any(id(t) in self.carried for t in given)
+        if not continues:
             self.tiles += 1
         owner = (self.tiles - 1) % self.world
         before = {id(t) for t in given}
+        key = repr([(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in tree_leaves((args, kwargs))])
         if owner == self.rank:
             output = decoder_forward(*args, **kwargs)
+        elif not continues and key in self.stateless:
+            output = torch.empty(self.stateless[key][0], dtype=self.stateless[key][1], device="meta")
         else:
-            with fake:
-                output = decoder_forward(*args, **kwargs)
+            output = self.shapes_only(decoder, decoder_forward, args, kwargs)
         sample, rest = _sample(output)
         handed_on = _tensors(rest) + [t for t in _tensors(args, kwargs) if id(t) not in before]
         self.carried = {id(t): t for t in handed_on}
+        if not continues and not handed_on and rest is None:
+            self.stateless[key] = (tuple(sample.shape), sample.dtype)
         self.shapes.append((tuple(sample.shape), sample.dtype))
         self.inputs.append(tuple(given[0].shape) if given else ())
         self.owners.append(owner)
@@ -104,6 +123,19 @@ class _Calls:
         calls = repr(list(zip(self.inputs, self.shapes, self.owners)))
         return {"latents": latents, "calls": f"{len(self.shapes)} decoder calls in {self.tiles} tiles",
                 "layout": hashlib.blake2b(calls.encode(), digest_size=16).hexdigest()}
+
+
+class _Run(nn.Module):
+    """The decoder's own forward (its `forward` is replaced meanwhile), under a module `functional_call` can
+    reparametrize."""
+
+    def __init__(self, decoder: nn.Module, forward):
+        super().__init__()
+        self.decoder = decoder
+        self.run = forward
+
+    def forward(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -178,13 +210,12 @@ def _split_decode(vae: nn.Module, mesh: DeviceMesh, original, args, kwargs):
     group, world = _group(mesh)
     rank = dist.get_rank(group)
     calls = _Calls(rank, world)
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
     device: list[torch.device] = []
 
     def first(forward, call_args, call_kwargs):
         if not device:
             device.extend(t.device for t in _tensors(call_args, call_kwargs)[:1])
-        return calls.first_pass(forward, fake, call_args, call_kwargs)
+        return calls.first_pass(vae.decoder, forward, call_args, call_kwargs)
 
     def run_first_pass() -> _Calls:
         with _tiling_on(vae), _decoder_calls(vae.decoder, first):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.device_mesh import init_device_mesh
 
 import diffusers
@@ -77,7 +76,7 @@ def tiling_state(vae: nn.Module) -> dict:
 
 
 class ComputedTiles:
-    """Counts the decoder calls a rank computes: its first conv giving a real tensor (not a fake one, not meta)."""
+    """Counts the decoder calls a rank computes: its first conv giving a real tensor (not one on the meta device)."""
 
     def __init__(self, vae: nn.Module):
         self.calls = 0
@@ -85,7 +84,7 @@ class ComputedTiles:
 
     def hook(self, module, args, output):
         output = output[0] if isinstance(output, tuple) else output  # CogVideoX's convs: (output, cache)
-        if not isinstance(output, FakeTensor) and not output.is_meta:
+        if not output.is_meta:
             self.calls += 1
 
 
