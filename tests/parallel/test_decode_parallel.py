@@ -8,7 +8,7 @@ from parameterized import parameterized
 
 from surgery.parallel.distributed import run_on_cpu_ranks
 from surgery.testing import FP32_TOL
-from workers import decode_worker as W
+import decode_worker as W
 
 # per decode: the agreement (one all_gather_object: sizes, then payload) and the tiles' one all_gather
 COLLECTIVES = {"allgather_": 3}
