@@ -90,6 +90,7 @@ _FIXES = {
     "tensors": "Every rank must build the same model from the same config, in the same dtype, and edit it alike.",
     "weights": "With src_data_rank=None each rank keeps its own weights: load the same checkpoint (and seed) on every "
     "rank, or pass src_data_rank=0 to give every rank rank 0's weights.",
+    "decode": "Every rank must decode the same latents (shape and dtype) with the same tile sizes.",
 }
 
 

@@ -2,8 +2,9 @@
 
 A diffusers pipeline holds a transformer, one or two text encoders, a VAE and tokenizers/schedulers. The transformer
 is sharded after `unfuse` with the registered family plans; a text encoder with transformers' own plan (or a
-registered one, `rewrites/t5.py`); what has no plan (VAE, CLIP, tokenizers) stays whole on every rank. The same
-walk, on the meta device under torch's fake process group, accounts each component's bytes per rank for
+registered one, `rewrites/t5.py`); what has no plan (CLIP, tokenizers) stays whole on every rank. A VAE keeps its
+weights whole and has its decode split across the ranks (`surgery.decode_parallel`: each rank decodes its share of
+the tiles, one gather), or, where it has no tiled decode, decodes whole on every rank. The same walk, on the meta device under torch's fake process group, accounts each component's bytes per rank for
 `surgery plan --pipeline`.
 """
 
@@ -24,6 +25,7 @@ from surgery.core.optional import need
 from surgery.core.registry import families, resolve_model
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.walk import find_modules
+from surgery.parallel.decode import VERB as DECODE_VERB, decode_parallel
 from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.plans import checked_plan, planned_modules
 from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel
@@ -98,14 +100,28 @@ def _shard(row: dict, model: nn.Module, mesh: DeviceMesh, src_data_rank: int | N
     return {**row, "sharded": not row["reason"], **_bytes(model)}
 
 
+def split_decode(name: str, vae: nn.Module, mesh: DeviceMesh) -> dict:
+    """The VAE's decode split across the ranks (its weights whole on every rank); or, where it cannot be, the VAE
+    left as it was, decoding whole on every rank, with the reason."""
+    try:
+        decode_parallel(vae, mesh)
+        reason = f"weights whole; its decode split over {mesh.size()} ranks by tiles"
+    except SurgeryError as error:
+        reason = (f"decoded whole on every rank: "
+                  f"{str(error).removeprefix(f'surgery.{DECODE_VERB}: ')}")
+    return {"component": name, "class": type(vae).__name__, "sharded": False, "reason": reason, **_bytes(vae)}
+
+
 def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> list[dict]:
     """Shard every component of a diffusers pipeline that has a plan, in place; returns (and logs once, on rank 0)
     one row per component: sharded or whole, why, and its bytes per rank.
 
     The transformer (`pipe.transformer`) is unfused and sharded, and must be shardable (an error otherwise, as
     `surgery.tensor_parallel` raises). Text encoders are sharded with transformers' own plan or a registered one;
-    one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. VAEs,
-    tokenizers, schedulers and processors stay whole. Call it on every rank, with identical pipelines.
+    one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. A VAE
+    (`vae`, `audio_vae`, ...) stays whole with its decode split over the ranks (`decode_parallel`), or decoding
+    whole where it has no tiled decode, said in its row. Tokenizers, schedulers and processors stay whole. Call it on
+    every rank, with identical pipelines.
 
     Every component is planned and checked before the first is sharded: a refused transformer leaves the whole
     pipeline as it was (components unfused for the check are fused back).
@@ -123,13 +139,18 @@ def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | Non
                                        "bytes_per_rank": 0, "sharded_bytes_per_rank": 0,
                                        "replicated_bytes_per_rank": 0}))
                 continue
+            if name == "vae" or name.endswith("_vae"):  # split after every check passed: it agrees across ranks
+                planned.append((component, {"component": name, "decode": True}))
+                continue
             planned.append((component, plan_component(name, component, mesh.size(), required=name == "transformer")))
     except BaseException:
         for component, row in reversed(planned):
             if row.get("unfused"):
                 fuse(component)
         raise
-    report = [row if component is None else _shard(row, component, mesh, src_data_rank)
+    report = [row if component is None
+              else split_decode(row["component"], component, mesh) if row.get("decode")
+              else _shard(row, component, mesh, src_data_rank)
               for component, row in planned]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("surgery.tensor_parallel_pipeline over %d ranks:\n%s", mesh.size(), report_text(report))

@@ -243,7 +243,7 @@ class InstalledNames(unittest.TestCase):
 
         self.assertEqual(sorted(surgery.__all__), sorted([
             "unfuse", "fuse", "tensor_parallel", "load_tensor_parallel", "save_pretrained", "context_parallel",
-            "tensor_parallel_pipeline", "SurgeryError"]))
+            "tensor_parallel_pipeline", "decode_parallel", "SurgeryError"]))
         for old in ("key_map", "weight_slices", "register_family", "shard_lora", "inspect", "registry"):
             self.assertFalse(hasattr(surgery, old), old)
         with self.assertRaises(TypeError):
