@@ -12,7 +12,6 @@ shard against the reference's matching chunk (`distribute_tensor` with `src_data
 
 from __future__ import annotations
 
-import copy
 import gc
 import inspect
 import os
@@ -55,7 +54,7 @@ def one_block_each(family: Family, config: dict) -> dict:
     return out
 
 
-CAP = 1_000_000_000  # parameters: fp32 weights and gradients of the whole model stay within ~8 GB over all ranks
+CAP = 850_000_000  # parameters: the reference's fp32 weights and gradients (8 bytes each) stay within ~7 GB
 
 
 def widest(family: Family) -> tuple[str, dict, int, int]:
@@ -66,7 +65,8 @@ def widest(family: Family) -> tuple[str, dict, int, int]:
     for variant in family.variants:
         config = one_block_each(family, family.config(variant))
         candidates.append((0, variant, config))
-        for key in [k for k, v in config.items() if DEPTH.fullmatch(k) and v == 1]:
+        kinds = [k for k, v in config.items() if DEPTH.fullmatch(k) and k.startswith(("num_", "n_")) and v == 1]
+        for key in kinds if len(kinds) > 1 else []:  # never all of them: a model with no block proves nothing
             candidates.append((1, variant, dict(config, **{key: 0})))
     best = None
     for dropped, variant, config in candidates:
@@ -156,7 +156,12 @@ def reference(family: Family, config: dict, path: Path) -> tuple[torch.nn.Module
     info["parameters"] = sum(p.numel() for p in model.parameters())
     info["largest"] = max(p.numel() for p in model.parameters())
     info["largest_name"] = max(model.named_parameters(), key=lambda np: np[1].numel())[0]
-    half = bf16(copy.deepcopy(model))
+    half = empty_model(family, config, torch.bfloat16)  # not a deep copy: that would hold a second fp32 model
+    whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in [*half.named_parameters(), *half.named_buffers()]:
+            tensor.copy_(whole[name])
+    del whole
     for image, text in TOKENS:
         kw = family.example_inputs(config, batch=1, image_tokens=image, text_tokens=text, seed=0, dtype=torch.bfloat16)
         try:
