@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import refusal_hint
 from surgery.core.leaves import edits_for, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
@@ -391,4 +392,5 @@ def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
             kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}.{name}' holds {count} {kind} of {head_dim}, which a mesh of {world} "
-                f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")
+                f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}"
+                f"{refusal_hint(world)}.")
