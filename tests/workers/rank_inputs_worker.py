@@ -1,0 +1,52 @@
+"""What each gloo rank runs for tests/parallel/test_rank_inputs.py: models and files that look alike to every check
+that reads shapes, but whose values differ by layout or by rank. Every case runs in one spawned job."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+import surgery
+from flux2_testing import build, inputs, rel_err, small_config
+
+CONFIG = small_config("tp_wide")
+
+
+def stored_transposed(model: nn.Module) -> nn.Module:
+    """Every Linear's weight with the same values, laid out column-major (`w.t().contiguous().t()`)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.data = module.weight.data.t().contiguous().t()
+    return model
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def transposed_storage(mesh: DeviceMesh, src_data_rank: int | None) -> dict:
+    """Forward and gradients of the sharded column-major model against the single-device model."""
+    kw = inputs(CONFIG, seed=1)
+    reference = build(CONFIG)
+    expected = reference(**kw, return_dict=False)[0]
+    expected.square().mean().backward()
+    model = surgery.tensor_parallel(surgery.unfuse(stored_transposed(build(CONFIG))), mesh,
+                                    src_data_rank=src_data_rank)
+    out = model(**kw, return_dict=False)[0]
+    out.square().mean().backward()
+    grads = dict(model.named_parameters())
+    # the parameters both models hold under one name (every Linear that unfuse leaves as it is)
+    shared = [n for n, p in reference.named_parameters() if n in grads]
+    return {
+        "forward": rel_err(out.detach(), expected.detach()),
+        "grad": max(rel_err(whole(grads[n].grad), p.grad) for n, p in reference.named_parameters() if n in grads),
+        "compared": len(shared),
+    }
+
+
+def run(rank: int, world: int) -> dict:
+    mesh = DeviceMesh("cpu", list(range(world)))
+    return {f"transposed_{src}": transposed_storage(mesh, src) for src in (0, None)}
