@@ -12,6 +12,7 @@ the file or a swapped shift/scale reads the very rows diffusers would have put t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,32 @@ class SafetensorsFile(SlicedFile):
             if dtype is None:
                 raise SurgeryError(f"'{self.path}': tensor {name!r} has dtype {entry['dtype']}, which is not read here.")
             self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), 8 + size + entry["data_offsets"][0], dtype)
+        _check_offsets(self.path, header, self.tensors, os.path.getsize(self.path) - 8 - size)
         self._fd = os.open(self.path, os.O_RDONLY)
+
+
+def _check_offsets(path: Path, header: dict, tensors: dict[str, StoredTensor], data_bytes: int) -> None:
+    """What safetensors checks before it reads: the tensors' byte ranges tile the data section exactly, each as long
+    as its shape times its dtype's size. A range moved or resized (a damaged or hand-edited header) would otherwise
+    read another tensor's bytes as this one's values."""
+    end = 0
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, stop = entry["data_offsets"]
+        t = tensors[name]
+        need = math.prod(t.shape) * t.dtype.itemsize
+        if begin != end or stop - begin != need:
+            raise SurgeryError(
+                f"'{path}': tensor {name!r} is stored at data bytes {begin}..{stop}, but its shape {list(t.shape)} of "
+                f"{entry['dtype']} needs {need} bytes starting at {end}, where the tensor before it ends: the header "
+                "does not describe the data (a damaged or edited file). Write the file again (safetensors' "
+                "save_file); stock safetensors refuses it as well."
+            )
+        end = stop
+    if end != data_bytes:
+        raise SurgeryError(
+            f"'{path}': its header describes {end} bytes of tensor data, but the file holds {data_bytes} (a damaged "
+            "or truncated file). Write the file again (safetensors' save_file)."
+        )
 
 
 class GGUFFile(SlicedFile):
