@@ -25,3 +25,20 @@ class TransposedStorage(unittest.TestCase):
                     self.assertGreater(case["compared"], 20)
                     self.assertLess(case["forward"], FP32_TOL)
                     self.assertLess(case["grad"], FP32_GRAD_TOL)
+
+
+class FilterKeepsHeadNormsWhole(unittest.TestCase):
+    """A q/k norm kept whole while its projections are sharded runs on each rank's heads: a right forward, and a
+    weight gradient of those heads alone (0.98 off before it was refused)."""
+
+    def test_refused_on_every_rank_naming_the_norm_and_the_model_kept(self):
+        errors = [r["norms_whole"]["error"] for r in results()]
+        self.assertRegex(errors[0] or "", r"filter_fn keeps 'transformer_blocks.0.attn.norm_q' whole but shards "
+                                          r"'transformer_blocks.0.attn.to_q', whose heads it normalizes")
+        self.assertEqual(errors[1], errors[0])
+
+    def test_attention_kept_whole_with_its_norms_shards_and_trains_right(self):
+        for rank, r in enumerate(results()):
+            with self.subTest(rank=rank):
+                self.assertIsNone(r["attention_whole"]["error"])
+                self.assertLess(r["attention_whole"]["grad"], FP32_GRAD_TOL)

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import surgery
-from flux2_testing import build, inputs, rel_err, small_config
+from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 
 CONFIG = small_config("tp_wide")
 
@@ -47,6 +47,33 @@ def transposed_storage(mesh: DeviceMesh, src_data_rank: int | None) -> dict:
     }
 
 
+def gradients_against_one_device(model: nn.Module, reference: nn.Module, kw: dict) -> dict[str, float]:
+    """Each parameter both models hold under one name: the relative error of its gradient after one backward."""
+    for m in (model, reference):
+        m(**kw, return_dict=False)[0].square().mean().backward()
+    grads = dict(model.named_parameters())
+    return {n: rel_err(whole(grads[n].grad), p.grad) for n, p in reference.named_parameters() if n in grads}
+
+
+def filtered(mesh: DeviceMesh, keep) -> dict:
+    """`tensor_parallel` with `filter_fn=keep`: the error it raised (the model then as it was), else the worst
+    gradient of the q/k norms and of every parameter against the single-device model."""
+    kw = inputs(CONFIG, seed=2)
+    model = surgery.unfuse(build(CONFIG))
+    snap = snapshot(model)
+    try:
+        surgery.tensor_parallel(model, mesh, filter_fn=keep)
+    except surgery.SurgeryError as error:
+        assert_unchanged(model, snap)
+        return {"error": str(error)}
+    errors = gradients_against_one_device(model, build(CONFIG), kw)
+    return {"error": None, "norm_grad": max(e for n, e in errors.items() if ".norm_" in n),
+            "grad": max(errors.values())}
+
+
 def run(rank: int, world: int) -> dict:
     mesh = DeviceMesh("cpu", list(range(world)))
-    return {f"transposed_{src}": transposed_storage(mesh, src) for src in (0, None)}
+    out = {f"transposed_{src}": transposed_storage(mesh, src) for src in (0, None)}
+    out["norms_whole"] = filtered(mesh, lambda module, fqn: ".norm_" not in fqn)
+    out["attention_whole"] = filtered(mesh, lambda module, fqn: ".attn." not in fqn)
+    return out
