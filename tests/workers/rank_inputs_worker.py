@@ -9,6 +9,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 import surgery
+from surgery.core.registry import families
+from conformance_worker import inputs as family_inputs, make, output
 from flux2_testing import assert_unchanged, build, inputs, rel_err, small_config, snapshot
 
 CONFIG = small_config("tp_wide")
@@ -71,9 +73,43 @@ def filtered(mesh: DeviceMesh, keep) -> dict:
             "grad": max(errors.values())}
 
 
+class Wrapper:
+    """What a user writes to log or tweak attention: the processor it holds, called as it is."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, attn, *args, **kwargs):
+        return self.inner(attn, *args, **kwargs)
+
+
+def wrap_processors(model: nn.Module) -> list[str]:
+    """Every attention's processor wrapped; the wrapped processors' classes."""
+    wrapped = set()
+    for module in model.modules():
+        if getattr(module, "processor", None) is not None:
+            wrapped.add(type(module.processor).__name__)
+            module.processor = Wrapper(module.processor)
+    return sorted(wrapped)
+
+
+def wrapped_after_unfuse(mesh: DeviceMesh, name: str) -> dict:
+    """The user's model (stock processors wrapped) against the same wrapper set after `unfuse`, sharded."""
+    family, config, reference = make(name, next(iter(families()[name].test_configs)))
+    kw = family_inputs(family, config, seed=3)
+    wrap_processors(reference)
+    with torch.no_grad():
+        expected = output(reference, kw)
+        model = surgery.unfuse(make(name, next(iter(family.test_configs)))[2])
+        wrapped = wrap_processors(model)
+        surgery.tensor_parallel(model, mesh)
+        return {"forward": rel_err(output(model, kw), expected), "wrapped": wrapped}
+
+
 def run(rank: int, world: int) -> dict:
     mesh = DeviceMesh("cpu", list(range(world)))
     out = {f"transposed_{src}": transposed_storage(mesh, src) for src in (0, None)}
     out["norms_whole"] = filtered(mesh, lambda module, fqn: ".norm_" not in fqn)
     out["attention_whole"] = filtered(mesh, lambda module, fqn: ".attn." not in fqn)
+    out["sana_wrapped"] = wrapped_after_unfuse(mesh, "sana")
     return out
