@@ -23,6 +23,7 @@ from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
 from surgery.core.prequantized import block_layout
+from surgery.parallel.agreement import file_identity
 
 _GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -60,6 +61,10 @@ class SlicedFile:
 
     path: Path
     tensors: dict[str, StoredTensor]
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.identity = file_identity(self._fd)  # what the ranks compare: every rank must read the same file
 
     def __enter__(self):
         return self
@@ -120,7 +125,7 @@ class SafetensorsFile(SlicedFile):
                 raise SurgeryError(f"'{self.path}': tensor {name!r} has dtype {entry['dtype']}, which is not read here.")
             self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), 8 + size + entry["data_offsets"][0], dtype)
         _check_offsets(self.path, header, self.tensors, os.path.getsize(self.path) - 8 - size)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._open()
 
 
 def _check_offsets(path: Path, header: dict, tensors: dict[str, StoredTensor], data_bytes: int) -> None:
@@ -166,7 +171,7 @@ class GGUFFile(SlicedFile):
             for t in reader.tensors
         }
         del reader
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._open()
 
 
 def row_sources(model: nn.Module, file: SlicedFile, names: list[str] | None = None

@@ -1,7 +1,10 @@
 """Inputs that every shape check passes but whose values differ by layout or by rank must shard exactly or be
 refused on every rank (world 2, one spawned job for all cases)."""
 
+import atexit
 import functools
+import shutil
+import tempfile
 import unittest
 
 from surgery.testing import FP32_GRAD_TOL, FP32_TOL, run_on_cpu_ranks
@@ -10,7 +13,9 @@ from workers import rank_inputs_worker
 
 @functools.lru_cache(maxsize=None)
 def results() -> list[dict]:
-    return run_on_cpu_ranks(rank_inputs_worker.run, 2)
+    root = tempfile.mkdtemp(prefix="surgery-rank-inputs-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return run_on_cpu_ranks(rank_inputs_worker.run, 2, root)
 
 
 class TransposedStorage(unittest.TestCase):
@@ -55,3 +60,35 @@ class WrappedProcessorAfterUnfuse(unittest.TestCase):
                 self.assertTrue(r["sana_wrapped"]["wrapped"])
                 self.assertTrue(all(n.startswith("HeadDim") for n in r["sana_wrapped"]["wrapped"]))  # the twins
                 self.assertLess(r["sana_wrapped"]["forward"], FP32_TOL)
+
+
+class RanksGivenDifferentData(unittest.TestCase):
+    """Ranks compare what they read (each file's size and a digest of its header and samples of its bytes; an
+    adapter's file or tensors; with src_data_rank=None the starting LoRA factors) before anything is used: a
+    difference raises the same error on every rank, naming the file and the ranks (before: each case loaded, and the
+    ranks computed different things)."""
+
+    SAME_FILE = ("the ranks hold different models, so none of them went on: rank 1 read '{0}' \\(\\d+ bytes, digest "
+                 "\\w+\\), rank 0 read '{0}' \\(\\d+ bytes, digest \\w+\\). Every rank must read the same checkpoint")
+    EXPECTED = {
+        "folder": SAME_FILE.format("diffusion_pytorch_model.safetensors"),
+        "gguf": SAME_FILE.format("model.gguf"),
+        "fp8": SAME_FILE.format("model.safetensors"),
+        "replaced": SAME_FILE.format("model.safetensors"),
+        "gguf_or_fp8": r"rank 1 did not read 'model.gguf', rank 0 read 'model.gguf' \(\d+ bytes",
+        "adapter": SAME_FILE.format("pytorch_lora_weights.safetensors"),
+        "shard_lora": r"rank 1: '[\w.]+\.lora_A\.trained\.weight' holds other values than rank 0's",
+    }
+
+    def test_every_rank_raises_the_same_error_naming_the_file(self):
+        per_rank = [r["different_data"] for r in results()]
+        for case, pattern in self.EXPECTED.items():
+            with self.subTest(case):
+                self.assertRegex(per_rank[0][case] or "", pattern)
+                self.assertEqual(per_rank[1][case], per_rank[0][case])
+
+    def test_ranks_reading_one_file_load_it_and_a_refused_adapter_leaves_none(self):
+        for rank, r in enumerate(results()):
+            with self.subTest(rank=rank):
+                self.assertIsNone(r["different_data"]["same_fp8"])
+                self.assertEqual(r["different_data"]["adapter_left"], [])
