@@ -360,7 +360,8 @@ def agree_and_share(
                 _difference(name, full[rank], full[reference], rank, reference)
                 for rank in range(world) if full[rank] != full[reference]
             )
-            message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {_FIXES[name]}"
+            held = "read different data" if name == "files" else "hold different models"
+            message = f"surgery.{verb}: the ranks {held}, so none of them went on: {what}. {_FIXES[name]}"
     if message is None:
         return result, [s for *_, s in gathered]
     if error is not None and not isinstance(error, SurgeryError):

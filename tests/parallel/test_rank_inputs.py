@@ -68,7 +68,7 @@ class RanksGivenDifferentData(unittest.TestCase):
     difference raises the same error on every rank, naming the file and the ranks (before: each case loaded, and the
     ranks computed different things)."""
 
-    SAME_FILE = ("the ranks hold different models, so none of them went on: rank 1 read '{0}' \\(\\d+ bytes, digest "
+    SAME_FILE = ("the ranks read different data, so none of them went on: rank 1 read '{0}' \\(\\d+ bytes, digest "
                  "\\w+\\), rank 0 read '{0}' \\(\\d+ bytes, digest \\w+\\). Every rank must read the same checkpoint")
     EXPECTED = {
         "folder": SAME_FILE.format("diffusion_pytorch_model.safetensors"),
@@ -92,3 +92,4 @@ class RanksGivenDifferentData(unittest.TestCase):
             with self.subTest(rank=rank):
                 self.assertIsNone(r["different_data"]["same_fp8"])
                 self.assertEqual(r["different_data"]["adapter_left"], [])
+                self.assertTrue(r["different_data"]["shard_lora_kept"])
