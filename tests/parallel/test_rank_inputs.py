@@ -8,7 +8,7 @@ import tempfile
 import unittest
 
 from surgery.testing import FP32_GRAD_TOL, FP32_TOL, run_on_cpu_ranks
-from workers import rank_inputs_worker
+import rank_inputs_worker
 
 
 @functools.lru_cache(maxsize=None)
