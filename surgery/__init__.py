@@ -8,7 +8,7 @@
 The public API is this module's `__all__` (the verbs) and three modules: `surgery.lora` (adapters),
 `surgery.state_dict` (state dicts and checkpoints between layouts) and `surgery.extend` (what a model family imports).
 
-The engine's layers, each importing only those before it (`tests/test_layers.py` checks every import):
+The engine's layers, each importing only those before it (`tests/core/test_layers.py` checks every import):
 `surgery.core` (the rewrite), `surgery.parallel` (TP, CP, pipelines), `surgery.io` (checkpoints),
 `surgery.integration` (diffusers' features, LoRA), `surgery.extend`, the built-in families (`surgery_rewrites`), this
 module, `surgery.testing`, `surgery.sight` (tables, diagrams) and `surgery.app` (the CLI).

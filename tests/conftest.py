@@ -4,7 +4,10 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The tests import their workers (what spawned ranks run) and shared helpers by module name; spawned ranks inherit
+# this path.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(TESTS, "workers"), os.path.join(TESTS, "support")]
 
 # The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 spawned ranks, published widths, the
 # notebooks. The README's command leaves them out (pyproject's addopts: -m "not heavy"); CI runs them second,

@@ -12,7 +12,7 @@ module keeps its stock class and forward; only what differs is swapped:
   (`set_processor`), for its head-dim twin: the stock processor's own source with `(attn.heads, -1)` read as
   `(-1, head_dim)` (one rule, found by inspecting the processor: `rule_edits`), or with the edits listed in `EDITS`
   where the rule does not cover it, compiled against the stock module's globals. No processor code is copied here;
-  `tests/test_drift.py` checks each edit still finds its text in the installed diffusers source.
+  `tests/core/test_drift.py` checks each edit still finds its text in the installed diffusers source.
 
 `swap_rewrite` builds the `Rewrite` for one stock class: the same class in both forms, told apart by their leaves
 (or processors). Its builders `recast` the module: a new instance of the same class sharing every child but the
@@ -187,7 +187,7 @@ def by_local_width(source: str) -> tuple[tuple[str, str, int], ...] | None:
 
 
 # Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
-# must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
+# must occur exactly `occurrences` times, or the twin is not built (and tests/core/test_drift.py fails): a diffusers
 # release that changes the original is noticed, not silently copied around. Families add theirs with
 # `register_edits` (a block forward that splits by global widths).
 EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {

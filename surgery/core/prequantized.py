@@ -29,18 +29,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import local_map
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 
 aten = torch.ops.aten
 
 
 def _gguf():
     """The `gguf` package and diffusers' GGUF support (which needs it)."""
-    try:
-        import gguf  # optional: GGUF checkpoints only
-        from diffusers.quantizers.gguf import utils  # imports gguf itself
-    except ImportError as error:
-        raise SurgeryError(f"GGUF checkpoints need the gguf package ({error}): pip install gguf") from None
-    return gguf, utils
+    gguf = need("gguf", "a GGUF checkpoint")
+    return gguf, need("diffusers.quantizers.gguf.utils", "a GGUF checkpoint")
 
 
 def block_layout(ggml_type: int) -> tuple[int, int]:

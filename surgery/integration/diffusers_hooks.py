@@ -34,6 +34,7 @@ import re
 
 from surgery.core.checks import SURGERY_LOAD_HOOK
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.registry import registered
 from surgery.core.slicing import group_by_fused, take
 from surgery.core.state_dict import weight_slices
@@ -252,7 +253,7 @@ def stock_targets(model: nn.Module, target_modules):
     Without it, a stock name selects other layers on the unfused model: a new part's name may end like a stock
     module's (`to_q`), and a fused module's name (`to_qkv_mlp_proj`, `proj_out`) no longer names a Linear.
     """
-    from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND  # lazy: peft is optional
+    INCLUDE_LINEAR_LAYERS_SHORTHAND = need("peft.utils.constants", "LoRA adapters").INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 
     if target_modules is None or target_modules == INCLUDE_LINEAR_LAYERS_SHORTHAND:

@@ -18,6 +18,7 @@ import math
 import safetensors.torch
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.slicing import Slice, group_by_fused
 from surgery.core.state_dict import weight_slices
 
@@ -144,8 +145,8 @@ def lora_target_modules(model: torch.nn.Module, target_modules) -> list[str]:
     mlp.linear_up): pass the result as `LoraConfig(target_modules=...)` on the unfused model so that training touches
     exactly the stock layers.
     """
-    from peft import LoraConfig  # lazy: peft is optional
-    from peft.tuners.tuners_utils import check_target_module_exists  # lazy: peft is optional
+    LoraConfig = need("peft", "LoRA adapters").LoraConfig
+    check_target_module_exists = need("peft.tuners.tuners_utils", "LoRA adapters").check_target_module_exists
 
 
     config = LoraConfig(target_modules=target_modules)
@@ -208,7 +209,7 @@ def split_adapter_config(config: dict, split: Mapping[str, torch.Tensor], slices
 
     Targets become the split adapter's modules by full name; each part keeps its fused module's rank and alpha.
     """
-    from peft.utils.other import get_pattern_key  # lazy: peft is optional
+    get_pattern_key = need("peft.utils.other", "LoRA adapters").get_pattern_key
 
     r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
     alpha_pattern = dict(config.get("alpha_pattern") or {})
@@ -234,8 +235,8 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     differ.
     """
 
-    from peft.tuners.tuners_utils import BaseTunerLayer  # lazy: peft is optional
-    from peft.utils import get_peft_model_state_dict  # lazy: peft is optional
+    BaseTunerLayer = need("peft.tuners.tuners_utils", "LoRA adapters").BaseTunerLayer
+    get_peft_model_state_dict = need("peft.utils", "LoRA adapters").get_peft_model_state_dict
 
 
     if adapter_name not in getattr(model, "peft_config", {}):

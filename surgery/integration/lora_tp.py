@@ -47,6 +47,7 @@ from functools import partial
 import os
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
 from surgery.io.atomic import staged_folder
 from surgery.parallel.agreement import agree, agree_and_share, file_identity, sampled_checksum, tensors_identity
@@ -182,7 +183,7 @@ def _factor_checksums(model: nn.Module, layers: list) -> dict[str, dict]:
 
 def _adapter_layers(model: nn.Module, styles: dict) -> list:
     """(LoRA layer, adapter name, base style) for each adapter on a sharded Linear; refuses DoRA."""
-    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
+    LoraLayer = need("peft.tuners.lora", "LoRA adapters").LoraLayer
 
     todo = []
     for path, style in styles.items():
@@ -308,8 +309,8 @@ def peft_on_dtensors() -> Iterator[None]:
       (never the sharded one) and the same module keeps it. The rest of PEFT's preparation (scalings as tensors,
       the config's rank) runs as it is.
     """
-    import peft.utils.hotswap as hotswap  # lazy: peft is optional
-    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
+    hotswap = need("peft.utils.hotswap", "LoRA adapters")
+    LoraLayer = need("peft.tuners.lora", "LoRA adapters").LoraLayer
 
     stock_pad, stock_features = hotswap._pad_lora_weights, LoraLayer._get_in_out_features
 
@@ -327,7 +328,7 @@ def peft_on_dtensors() -> Iterator[None]:
 
 def pad_lora_weights(model: nn.Module, target_rank: int) -> bool:
     """`peft.utils.hotswap._pad_lora_weights` for factors that may be DTensors: in place, module and hooks kept."""
-    from peft.tuners.lora import Linear as LoraLinear  # lazy: peft is optional
+    LoraLinear = need("peft.tuners.lora", "LoRA adapters").Linear
 
     found = False
     for module in model.modules():
@@ -408,7 +409,7 @@ def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None, dic
 def _check(model: nn.Module, state: dict[str, LazyFactor], head: str, adapter_name: str, hotswap: bool,
            verb: str, source_name: str) -> None:
     """Everything a load could trip on, before anything changes: names, widths, ranks, the adapter name."""
-    from peft.tuners.lora import LoraLayer  # lazy: peft is optional
+    LoraLayer = need("peft.tuners.lora", "LoRA adapters").LoraLayer
 
     existing = getattr(model, "peft_config", {})
     if hotswap and adapter_name not in existing:

@@ -32,6 +32,7 @@ from huggingface_hub.utils import validate_repo_id
 import diffusers
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice, fused_shape, group_by_fused
 from surgery.core.state_dict import weight_slices
@@ -246,7 +247,7 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
 
 def _transformers_on_meta(folder: Path, config: dict, model_class: type | None) -> nn.Module:
     """A transformers model built on meta from its folder's config.json (class from `architectures`)."""
-    import transformers  # lazy: optional
+    transformers = need("transformers", f"'{folder}', a transformers model's folder,")
 
     if model_class is None:
         names = config.get("architectures") or []

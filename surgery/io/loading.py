@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from surgery.parallel.agreement import agree, fingerprint
 from surgery.io.checkpoint import Reader, check_tensors, expected_tensors, layout_of, model_on_meta, resolve_checkpoint
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.prequantized import GGUFWeight, check_columns, type_name
 from surgery.io.sliced_files import GGUFFile, SafetensorsFile, row_sources
 from surgery.core.rewrite import unfuse
@@ -280,10 +281,7 @@ def _placed(local: torch.Tensor, placement: Placement | None, mesh: DeviceMesh) 
 def _float8(qdata: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """torchao's weight-only float8 tensor with a per-row scale (what `Float8WeightOnlyConfig()` builds) over
     `qdata` and `scale` (plain, or DTensors of this rank's cut)."""
-    try:
-        from torchao.quantization import Float8Tensor  # optional: fp8 checkpoints only
-    except ImportError as error:
-        raise SurgeryError(f"load_tensor_parallel: fp8 weights with scales load as torchao tensors ({error}).") from None
+    Float8Tensor = need("torchao.quantization", "load_tensor_parallel of fp8 weights with scales").Float8Tensor
     return Float8Tensor(qdata, scale, block_size=[1, shape[1]], dtype=dtype)
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.prequantized import block_layout
 from surgery.parallel.agreement import file_identity
 
@@ -157,10 +158,7 @@ class GGUFFile(SlicedFile):
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            from gguf import GGUFReader  # optional: GGUF checkpoints only
-        except ImportError as error:
-            raise SurgeryError(f"'{path}' is a GGUF file; reading it needs the gguf package ({error}).") from None
+        GGUFReader = need("gguf", f"'{path}', a GGUF file,").GGUFReader
         try:
             reader = GGUFReader(self.path)  # maps the file; only its header is read here
         except Exception as error:  # noqa: BLE001 - the gguf package raises several kinds on a bad file

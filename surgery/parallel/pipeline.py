@@ -9,7 +9,6 @@ walk, on the meta device under torch's fake process group, accounts each compone
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 import torch
@@ -21,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from surgery.core.build import default_dtype, model_on_meta, resolve_config
 from surgery.core.errors import SurgeryError
+from surgery.core.optional import need
 from surgery.core.registry import families, resolve_model
 from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
@@ -141,7 +141,7 @@ def build_on_meta(spec: tuple, dtype: torch.dtype) -> nn.Module:
 
     def load(qualified: str):
         module, _, name = qualified.rpartition(".")
-        return getattr(importlib.import_module(module), name)
+        return getattr(need(module, f"building the pipeline component {name}"), name)
 
     cls = load(cls_name)
     with torch.device("meta"), default_dtype(dtype):
