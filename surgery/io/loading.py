@@ -208,7 +208,7 @@ def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMe
                       ) -> tuple[nn.Module, list, dict[str, str]]:
     """`load_tensor_parallel` of one .gguf or .safetensors file (config.json beside it, or a model built on meta), in
     diffusers' names or the original ones that diffusers' single-file conversion maps. Each rank reads only the bytes
-    of its rows and columns of each tensor:
+    of its rows and columns of each tensor (and, for the ranks to compare, `file_identity`'s fixed few):
     - GGUF-quantized weights stay GGUF bytes, held as a `GGUFWeight` around a DTensor (`surgery.core.prequantized`); equals
       `tensor_parallel(unfuse(from_single_file(path, quantization_config=GGUFQuantizationConfig(compute_dtype=
       dtype))), mesh)`, the same bytes on each rank;
@@ -271,7 +271,8 @@ def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMe
                 local = _placed(local.to(compute), placement, mesh)
             plain = not stored.quantized and scale is None
             _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad and plain), aliases)
-    return *_finish(model, planned, mesh), {path.name: file.identity}
+        read = {path.name: file.identity()}
+    return *_finish(model, planned, mesh), read
 
 
 def _placed(local: torch.Tensor, placement: Placement | None, mesh: DeviceMesh) -> torch.Tensor:

@@ -65,7 +65,11 @@ class SlicedFile:
 
     def _open(self) -> None:
         self._fd = os.open(self.path, os.O_RDONLY)
-        self.identity = file_identity(self._fd)  # what the ranks compare: every rank must read the same file
+
+    def identity(self) -> str:
+        """What the ranks compare, read from the open file after its tensors were (`file_identity`): every rank must
+        have read the same file."""
+        return file_identity(self._fd)
 
     def __enter__(self):
         return self
