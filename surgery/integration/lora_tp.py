@@ -42,6 +42,7 @@ from diffusers.utils import _get_model_file
 from diffusers.utils.peft_utils import get_adapter_name
 from pathlib import Path
 from safetensors import safe_open
+import hashlib
 import json
 from functools import partial
 import os
@@ -50,7 +51,7 @@ from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
 from surgery.io.atomic import staged_folder
-from surgery.parallel.agreement import agree, agree_and_share, file_identity, sampled_checksum, tensors_identity
+from surgery.parallel.agreement import PIECE, SAMPLE, agree, agree_and_share, sampled_checksum, tensors_identity
 from surgery.parallel.plans import planned_modules
 from surgery.parallel.tensor_parallel import place
 
@@ -399,11 +400,22 @@ def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None, dic
                            "Download it again.") from None
     if metadata is None and LORA_ADAPTER_METADATA_KEY in file_metadata:
         metadata = json.loads(file_metadata[LORA_ADAPTER_METADATA_KEY])
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return lazy, metadata, {os.path.basename(path): file_identity(fd)}
-    finally:
-        os.close(fd)
+    return lazy, metadata, {os.path.basename(path): _tensors_in_file(path)}
+
+
+def _tensors_in_file(path: str) -> str:
+    """What the ranks compare of an adapter file: its tensors' entries and samples of their bytes (`file_identity`'s
+    pieces). Not the `__metadata__` text: copies of one adapter written by different processes order its lists
+    differently."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        digest = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=8)
+        start, data = 8 + size, os.fstat(f.fileno()).st_size - 8 - size
+        for i in range(SAMPLE):
+            digest.update(os.pread(f.fileno(), PIECE, start + i * max(data - PIECE, 0) // (SAMPLE - 1)))
+    return f"{data} bytes of tensors, digest {digest.hexdigest()}"
 
 
 def _check(model: nn.Module, state: dict[str, LazyFactor], head: str, adapter_name: str, hotswap: bool,
