@@ -14,12 +14,13 @@ from pathlib import Path
 import diffusers.models.transformers as transformers
 import torch
 from diffusers import ModelMixin
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import families, model_class
 from surgery.core.rewrite import unfuse
 from surgery.parallel.families import all_reduces
-from surgery.parallel.plans import checked_plan
+from surgery.parallel.plans import block_plans, checked_plan
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "families.md"
 
@@ -50,7 +51,23 @@ def class_status(cls: type, world: int = 2) -> dict:
     count = sum(all_reduces(style) for _, _, plan in planned for style in plan.values())
     if family is not None and family.count_all_reduces is not None:  # counts a module run twice per forward twice
         count = family.count_all_reduces(family.config())
-    return {**row, "status": "sharded" if family else "planned, unproven", "all_reduces": count}
+    return {**row, "status": "sharded" if family else "planned, unproven", "all_reduces": count,
+            "per_block": per_block(model, planned)}
+
+
+def per_block(model, planned) -> str:
+    """All-reduces per call of each kind of block, read off its plan (`Kind n`, kinds in model order); a kind whose
+    block resolves its own partial sums (an input and output style on the block) is marked `*`: its count is one per
+    output, the fewest stock placements allow (each output DTensor is resolved on its own)."""
+    kinds: dict[str, str] = {}
+    for path, plan in block_plans(model, planned).items():
+        if not path:
+            continue
+        own = plan.get("")
+        mark = "*" if isinstance(own, PrepareModuleInputOutput) else ""
+        kinds.setdefault(type(model.get_submodule(path)).__name__,
+                         f"{sum(all_reduces(style) for style in plan.values())}{mark}")
+    return ", ".join(f"{kind} {n}" for kind, n in kinds.items())
 
 
 def _short(reason: str) -> str:
@@ -60,10 +77,11 @@ def _short(reason: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| class | family | status | all-reduces per forward / reason |", "|---|---|---|---|"]
+    lines = ["| class | family | status | all-reduces per forward / reason | all-reduces per block |",
+             "|---|---|---|---|---|"]
     for r in rows:
         what = str(r["all_reduces"]) if r["all_reduces"] is not None else _short(r["reason"]).replace("|", "\\|")
-        lines.append(f"| {r['class']} | {r['family']} | {r['status']} | {what} |")
+        lines.append(f"| {r['class']} | {r['family']} | {r['status']} | {what} | {r.get('per_block', '')} |")
     return "\n".join(lines)
 
 
@@ -77,7 +95,12 @@ def document(rows: list[dict]) -> str:
         "pass the plan step without a family (unproven: nothing has run them sharded). Each class is built on meta (its family's default published config, "
         "else the class's defaults), unfused, and planned as `surgery.tensor_parallel` plans it; a refusal is the "
         "plan step's own message. All-reduces are per forward, read off the plan (one per rowwise output, per "
-        "partial-sum resolution, per norm across heads).\n\n" + table(rows) + "\n"
+        "partial-sum resolution, per norm across heads); per block, per call of each kind of block, `*` where the "
+        "block takes an input style and resolves its partial sums once per output (the fewest stock placements "
+        "allow: DTensor resolves each output on its own). FLUX.3's joint single block keeps 2 (its attention's and "
+        "its feed-forward's): resolved at its two outputs instead, the same 2 all-reduces would carry half the bytes "
+        "in forward, but DTensor's backward then fails where the last block's text output is discarded (its split's "
+        "gradient mixes a plain zero tensor with a DTensor).\n\n" + table(rows) + "\n"
     )
 
 

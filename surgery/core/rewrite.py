@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from surgery.core import heads_padding
 from surgery.core.errors import SurgeryError
 from surgery.core.prequantized import GGUFWeight, adopt_prequantized, check_columns, restore_adopted, sliceable
 from surgery.core.checks import (
@@ -32,7 +33,7 @@ from surgery.core.checks import (
     wrapper_error,
     wrapper_kind,
 )
-from surgery.core.split_projection import pack_all, unpack_all
+from surgery.core.split_projection import pack_all, track_leaves, unpack_all
 from surgery.core.registry import Rewrite
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 from surgery.core.walk import find_modules
@@ -86,11 +87,15 @@ def fuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     Rows that are still adjacent views of one storage are joined without a copy; gradients and the state of the
     optimizer(s) passed are joined the same way. A never-unfused model is unchanged.
     """
+    padded = [(block, list(paddings)) for _, block, paddings in heads_padding.padded_blocks(model)]
+    heads_padding.unpad(model)  # zero heads (tensor_parallel(..., pad_heads=True)) go first: the stock model has none
     with _collection_paused():
         try:
             return _rewrite(model, unfusing=False, optimizers=_optimizers(optimizer))
         except BaseException:
             pack_all(model)  # a refused or rolled-back fuse leaves the model as it was, packed leaves too
+            for block, paddings in padded:
+                heads_padding.pad(block, paddings)
             raise
 
 
@@ -183,6 +188,7 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     object.__setattr__(root, _REPORT_ATTR, records)
     if unfusing:
         pack_all(root)
+    track_leaves(root)
     return root
 
 

@@ -48,6 +48,7 @@ from functools import partial
 import os
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import trims
 from surgery.core.optional import need
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
 from surgery.io.atomic import staged_folder
@@ -171,6 +172,7 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     weights = partial(_factor_checksums, model) if src_data_rank is None else None
     for layer, name, style in agree(mesh, "lora.shard_lora", lambda: _adapter_layers(model, styles), weights):
         lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
+    zero_padded_heads(model)
     return model
 
 
@@ -180,6 +182,40 @@ def _factor_checksums(model: nn.Module, layers: list) -> dict[str, dict]:
     factors = {f"{paths[id(layer)]}.{kind}.{name}.weight": getattr(layer, kind)[name].weight
                for layer, name, _ in layers for kind in ("lora_A", "lora_B")}
     return {"weights": {key: sampled_checksum(f) for key, f in factors.items() if not isinstance(f, DTensor)}}
+def _padded_factors(model: nn.Module) -> Iterator[tuple[str, int, int, int]]:
+    """`(factor key without the adapter name, dim, real size, padded size)` for each LoRA factor side that meets a
+    zero head (`surgery.core.heads_padding`): lora_B's rows of a padded q/k/v, lora_A's columns of a padded output
+    projection. Keys as PEFT's state dict writes them (`attn.to_q.lora_B.weight`)."""
+    for name, (dim, real) in trims(model).items():
+        module, _, leaf = name.rpartition(".")
+        base = model.get_submodule(module)
+        base = base.get_base_layer() if hasattr(base, "get_base_layer") else base
+        padded = base.out_features if dim == 0 else base.in_features
+        yield f"{module}.{'lora_B' if dim == 0 else 'lora_A'}.{leaf}", dim, real, padded
+
+
+def zero_padded_heads(model: nn.Module) -> None:
+    """Zero every adapter's factors where they meet a zero head, so that the padded heads stay zero: PEFT draws
+    lora_A at random, and lora_A's columns of a padded output projection would read what a padded head's values
+    became through lora_B. With both zero, their gradients are zero too, and training keeps them so."""
+    with torch.no_grad():
+        for key, dim, real, _ in _padded_factors(model):
+            module, _, rest = key.rpartition(".lora_")
+            factors = getattr(model.get_submodule(module), "lora_" + rest.partition(".")[0], {})
+            for linear in factors.values():
+                param = getattr(linear, rest.partition(".")[2], None)
+                if param is not None:
+                    _zero_from(param, dim, real)
+
+
+def _zero_from(param: torch.Tensor, dim: int, start: int) -> None:
+    """Zero `param[start:]` along `dim`, in global indices, on this rank's part of it."""
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    offset = 0
+    if isinstance(param, DTensor) and param.placements[0].is_shard(dim):
+        offset = param.device_mesh.get_local_rank() * local.shape[dim]
+    first = min(max(start - offset, 0), local.shape[dim])
+    local.narrow(dim, first, local.shape[dim] - first).zero_()
 
 
 def _adapter_layers(model: nn.Module, styles: dict) -> list:
@@ -200,6 +236,32 @@ def _adapter_layers(model: nn.Module, styles: dict) -> list:
 
 
 # --- reading only this rank's slices ---------------------------------------------------------------------------------
+
+
+class ZeroPadded:
+    """A `LazyFactor` widened with zeros along `dim` to `size`: a stock adapter's factor on a model padded with zero
+    heads (`zero_padded_heads` says why they must be zero)."""
+
+    def __init__(self, factor: "LazyFactor", dim: int, size: int):
+        self.factor, self.axis, self.dtype = factor, dim, factor.dtype
+        self.shape = torch.Size(size if d == dim else n for d, n in enumerate(factor.shape))
+        self.ndim = len(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def read(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        want = [rows or slice(None), cols or slice(None)]
+        start, stop, _ = want[self.axis].indices(self.shape[self.axis])
+        real = self.factor.shape[self.axis]
+        want[self.axis] = slice(min(start, real), min(stop, real))
+        got = self.factor.read(*want)
+        missing = (stop - start) - got.shape[self.axis]
+        if missing <= 0:
+            return got
+        shape = list(got.shape)
+        shape[self.axis] = missing
+        return torch.cat([got, got.new_zeros(shape)], self.axis)
 
 
 class LazyFactor:
@@ -499,6 +561,10 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
         state, metadata, read = _open(source, kwargs)
         alphas = kwargs.pop("network_alphas", None)
         state, metadata, alphas = split_adapter(model, dict(state), prefix, metadata, alphas)
+        for key, dim, real, padded in _padded_factors(model):  # a stock adapter's factors meet zero heads
+            factor = state.get(head + key)
+            if factor is not None and factor.ndim == 2 and factor.shape[dim] == real:
+                state[head + key] = ZeroPadded(factor, dim, padded)
         _check(model, state, head, adapter_name, hotswap, said, source_name)
         return state, metadata, alphas, read
 

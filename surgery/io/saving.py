@@ -38,8 +38,9 @@ import secrets
 import torch.distributed.checkpoint as dcp
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import trims
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
-from surgery.core.state_dict import weight_slices
+from surgery.core.state_dict import checkpoint_slices
 from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
@@ -51,10 +52,6 @@ def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
 
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
-
-
-def _checkpoint_slices(model: nn.Module) -> list[Slice]:
-    return weight_slices(model)
 
 
 def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
@@ -87,7 +84,7 @@ def fused_layout(model: nn.Module) -> Iterator[None]:
 
     A state-dict hook on `model` only, removed on exit: nobody else sees fused keys.
     """
-    slices = _checkpoint_slices(model)
+    slices = checkpoint_slices(model)
 
     def hook(module, state_dict, prefix, local_metadata):
         names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
@@ -155,6 +152,33 @@ class _FileTensors:
             return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
+class _RealHeads:
+    """`source` with the zero heads of a padded model cut off (`surgery.core.heads_padding.trims`): the real rows of
+    q/k/v, the real columns of the output projections."""
+
+    def __init__(self, source, trims: dict[str, tuple[int, int]]):
+        self.source, self.trims = source, trims
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        dtype, shape = self.source.meta(name)
+        if name in self.trims:
+            dim, real = self.trims[name]
+            shape = (*shape[:dim], real, *shape[dim + 1:])
+        return dtype, shape
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name not in self.trims:
+            return self.source.read(name, rows)
+        dim, real = self.trims[name]
+        if dim == 0:  # the real rows come first: a block of them is a block of the padded tensor's
+            start, stop, _ = (rows or slice(None)).indices(real)
+            return self.source.read(name, slice(start, stop))
+        return self.source.read(name, rows).narrow(dim, 0, real).contiguous()
+
+
 def _entries(source, slices: list[Slice]) -> list[Entry]:
     """Every tensor of the fused layout, in the fused model's order, each joined from its parts in `source`."""
     entries: list[Entry] = []
@@ -213,9 +237,10 @@ def save_pretrained(
     model = unwrap_module(model)  # `torch.compile(model)` saves as the model it wraps, as diffusers' pipelines do
     if not is_sharded(model):
         target = _check(model, folder, max_shard_size)
-        slices = _checkpoint_slices(model)
+        slices = checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
-            write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            source = _RealHeads(_ModelTensors(model.state_dict()), trims(model))
+            write_checkpoint(staged, _entries(source, slices), max_shard_size, variant)
             model.save_config(staged)
         return target
     return _save_sharded(model, folder, max_shard_size, variant)
@@ -310,8 +335,9 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
         dcp.save(state_dict, storage_writer=writer)
         del state_dict
         if rank == 0:
-            slices = _checkpoint_slices(model)
-            write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            slices = checkpoint_slices(model)
+            source = _RealHeads(_FileTensors(tmp / "dcp", order), trims(model))
+            write_checkpoint(tmp, _entries(source, slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
             (tmp / marker).unlink()
             model.save_config(tmp)

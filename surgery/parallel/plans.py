@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import refusal_hint
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
@@ -430,7 +431,8 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
         if isinstance(heads, int) and heads % world:
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
-                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}"
+                f"{refusal_hint(world)}."
             )
         for key, style in plan.items():
             linear = module.get_submodule(key)

@@ -67,9 +67,8 @@ def tp_results(world: int) -> list[dict]:
     checkpoints = {}
     if world == 2:
         for family_name, config_name in TP_CASES:
-            if W.families()[family_name].rewrites:
-                seed = W.case_seed(family_name, config_name)
-                checkpoints[f"{family_name}/{config_name}"] = (seed, fused_checkpoint(family_name, config_name))
+            seed = W.case_seed(family_name, config_name)
+            checkpoints[f"{family_name}/{config_name}"] = (seed, fused_checkpoint(family_name, config_name))
     # one seed per case, the same on every rank (read off the case's name)
     return run_on_cpu_ranks(W.run, world, cases, checkpoints)
 
@@ -177,8 +176,9 @@ class PlansOnly(unittest.TestCase):
             self.assertEqual(surgery.core.rewrite.last_report(model), [], "unfuse rewrote something")
             self.assertEqual([(n, id(m), type(m)) for n, m in model.named_modules()], snap)
             # the plans this family registers shard exactly the Linears diffusers' own `_tp_plan` shards, alike
-            self.assertIsNotNone(type(model)._tp_plan, f"{family_name}: diffusers has no plan to check against")
-            self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{family_name}-{variant}")
+            # (where diffusers has one: Krea2's and Ideogram4's plans are derived, and proven by the sharded runs)
+            if getattr(type(model), "_tp_plan", None) is not None:
+                self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{family_name}-{variant}")
 
 
 class FullSize(unittest.TestCase):
@@ -270,7 +270,7 @@ class TensorParallel(unittest.TestCase):
                 if r["expected_all_reduces"] is not None:
                     self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]}, key)
 
-    @parameterized.expand([c for c in TP_CASES if W.families()[c[0]].rewrites], name_func=_name)
+    @parameterized.expand(TP_CASES, name_func=_name)
     def test_sharded_load_is_bitwise_unfuse_then_tensor_parallel(self, family_name, config_name):
         for by_case in tp_results(2):
             self.assertEqual(by_case[f"{family_name}/{config_name}"]["load"]["mismatched"], [])

@@ -22,8 +22,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import conformance_worker as W
 import surgery
 from surgery.core import registry
-from surgery.core.leaves import runs_twin
 from surgery.parallel import plans
+from surgery.parallel.derive import derived
 from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.plans import checked_plan
 from surgery.testing import assert_unchanged, snapshot
@@ -32,11 +32,9 @@ from surgery.testing import assert_unchanged, snapshot
 # (Wan, SkyReels-V2, SD3, CogVideoX, CogView4, HunyuanVideo-1.5 and Mochi now shard by derivation: rewrites/wan.py,
 # skyreels_v2.py, sd3.py, cogvideox.py, cogview4.py, hunyuan_video15.py, mochi.py.)
 HALF_PLANNED = {
-    # its FeedForwards have the shared plan; its attention's processor reads the head count beyond the reshapes
-    "StableAudioDiTModel": dict(sample_size=8, in_channels=4, num_layers=2, attention_head_dim=8,
-                                num_attention_heads=2, num_key_value_attention_heads=1, out_channels=4,
-                                cross_attention_dim=16, time_proj_dim=16, global_states_input_dim=16,
-                                cross_attention_input_dim=16),
+    # its attentions derive a plan (on DTensors); its FiLM modulations and gated T5 feed-forward have none
+    "T5FilmDecoder": dict(input_dims=8, targets_length=8, max_decoder_noise_time=2000.0, d_model=16, num_layers=2,
+                          num_heads=2, d_kv=8, d_ff=32, dropout_rate=0.1),
 }
 
 LTX2 = dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
@@ -80,9 +78,9 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
         self.assertTrue(any(named.startswith(b + ".") for b, _ in blocks))
         self.assertEqual(int(total), sum(isinstance(m, nn.Linear) for _, b in blocks for m in b.modules()))
         left = int(left)
-        # every attention projection in a block is among those left whole, but those of attentions running a
-        # head-dim twin (HunyuanVideo-1.5's token refiner: diffusers' generic processor), which derive a plan
-        twinned = [path for path, m in model.named_modules() if runs_twin(m)]
+        # every attention projection in a block is among those left whole, but those of attentions that derive a
+        # plan (a head-dim twin, or the stock processor on DTensors)
+        twinned = [path for path, m in model.named_modules() if isinstance(derived(m), dict)]
         in_blocks = [p for p in attention if any(p.startswith(b + ".") for b, _ in blocks)
                      and not any(p.startswith(t + ".") for t in twinned)]
         self.assertGreaterEqual(left, len(in_blocks))
@@ -90,12 +88,12 @@ class HalfPlannedModelsAreRefused(unittest.TestCase):
         assert_unchanged(model, snap)
 
     def test_a_literal_plan_or_a_filter_names_what_stays_whole(self):
-        model = tiny("StableAudioDiTModel")  # its SwiGLU unfused: gate and up rows as two Linears
-        literal = {"transformer_blocks.*.ff.net.0.proj_up": ColwiseParallel(),
-                   "transformer_blocks.*.ff.net.0.proj_gate": ColwiseParallel(),
-                   "transformer_blocks.*.ff.net.2": RowwiseParallel()}
+        model = tiny("T5FilmDecoder")
+        literal = {"decoders.*.layer.2.DenseReluDense.wi_0": ColwiseParallel(),
+                   "decoders.*.layer.2.DenseReluDense.wi_1": ColwiseParallel(),
+                   "decoders.*.layer.2.DenseReluDense.wo": RowwiseParallel()}
         self.assertEqual(len(checked_plan(model, literal, None, 2)), 2)
-        self.assertEqual(len(checked_plan(model, None, lambda m, fqn: True, 2)), 2)
+        self.assertEqual(len(checked_plan(model, None, lambda m, fqn: True, 2)), 4)  # the 2 x 2 attentions
         with self.assertRaises(surgery.SurgeryError):
             checked_plan(model, None, None, 2)
 

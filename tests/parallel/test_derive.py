@@ -79,16 +79,21 @@ class AgainstDiffusersTpPlan(unittest.TestCase):
 
 
 class Refusals(unittest.TestCase):
-    def test_a_processor_that_reads_the_head_count_is_refused_by_name(self):
+    def test_a_processor_that_reads_the_head_count_runs_on_dtensors_until_its_twin_runs(self):
+        from surgery.parallel.dtensor_attention import ImplicitReplication
+
         torch.manual_seed(0)
         model = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
                                                 attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                                 caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
                                                 pos_embed_max_size=8)
+        plan = attention_plan(model.transformer_blocks[0].attn)  # the stock JointAttnProcessor2_0: no twin yet
+        self.assertIsInstance(plan[""], ImplicitReplication)
+        self.assertFalse(plan["to_q"].use_local_output)
+        surgery.unfuse(model)  # its twin, the faster path, takes over
         plan = attention_plan(model.transformer_blocks[0].attn)
-        self.assertIsInstance(plan, Refused)
-        self.assertIn("JointAttnProcessor2_0", plan.reason)
-        self.assertNotIn("\n", plan.reason)
+        self.assertNotIn("", plan)
+        self.assertTrue(plan["to_q"].use_local_output)
 
     def test_a_torch_rms_norm_across_heads_is_refused_until_unfused(self):
         torch.manual_seed(0)

@@ -128,7 +128,8 @@ class Commands(unittest.TestCase):
         self.assertIn("columns 6144:24576", out)
 
     @parameterized.expand([
-        (["plan", "--model", "flux2-klein-9b", "--tp", "5"], 1, "holds 32 heads of 128, which a mesh of 5 cannot split"),
+        # its heads would be padded (pad_heads=True); its MLP's width cannot split over 5 either way
+        (["plan", "--model", "flux2-klein-9b", "--tp", "5"], 1, "has 12288 output features, which a mesh of 5 cannot"),
         (["plan", "--config", "/nonexistent/config.json", "--tp", "2"], 1, "--config /nonexistent/config.json"),
         (["plan", "--config", "@unknown_key", "--tp", "2"], 1, "takes no argument 'frobnication'"),
         (["plan", "--config", "@zero_heads", "--tp", "2"], 1, "num_attention_heads=0; it must be at least 1"),
