@@ -262,6 +262,13 @@ def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`); where its processor reads the stored head count and no head-dim twin runs, the
     same on DTensors, the module itself under `ImplicitReplication` (the stock processor runs as it is)."""
+    processor = getattr(module, "processor", None)
+    reader = head_count_reader(processor) if processor is not None else None
+    if reader is not None and reader[1]:  # a wrapper or subclass: not the stock code a twin or DTensors are proven on
+        return Refused(f"its processor {type(processor).__name__} {reader[1]}, which reads the stored head count "
+                       "`attn.heads` (or has no source to read), and surgery gives only a stock processor its head-dim "
+                       "twin. Set the stock processor back before sharding, or set yours after surgery.unfuse around "
+                       "the processor it installs (attention.processor)")
     if runs_on_dtensors(module):
         plan = projection_plan(module, on_dtensors=True)
         return plan if isinstance(plan, Refused) else {**plan, "": ImplicitReplication()}

@@ -1,8 +1,7 @@
 """A user's attention processor that wraps or subclasses a stock one (`set_attn_processor`) runs the stock code,
 which reshapes by the stored head count: the derivation reads the code that runs (every `__call__` of the class's
-MRO, and the processors it holds), so such a processor runs that code on DTensors as a stock one does (before: Sana
-and Lumina2 sharded with the plain plan, Sana 0.195 off and Lumina2 dying in forward; Wan, HiDream and LTX-2 refused
-blaming their RMSNorm).
+MRO, and the processors it holds), so such a processor is refused by name before anything changes (before: Sana and
+Lumina2 sharded, Sana 0.195 off and Lumina2 dying in forward; Wan, HiDream and LTX-2 refused blaming their RMSNorm).
 A wrapper set after `surgery.unfuse`, around the processor unfuse installs, runs the head-dim twin and shards."""
 
 import re
@@ -14,14 +13,10 @@ from torch.distributed.device_mesh import init_device_mesh
 import surgery
 from surgery.core.build import seeded_model
 from surgery.core.registry import families
-from surgery.parallel.derive import runs_on_dtensors
 from surgery.parallel.distributed import fake_process_group
 from surgery.testing import assert_unchanged, snapshot
 
 FAMILIES = ["sana", "lumina2", "wan", "hidream", "ltx-2"]
-# where unfuse also swaps a norm for the stock processor only (Wan, HiDream, LTX-2: an RMSNorm across heads), a
-# wrapped processor still meets that norm's refusal: not yet followed there
-RUN_ON_DTENSORS = ["sana", "lumina2"]
 
 
 class Wrapper:
@@ -63,18 +58,20 @@ def shard(model):
 
 
 class WrappedOrDerivedProcessors(unittest.TestCase):
-    @parameterized.expand([(n,) for n in RUN_ON_DTENSORS])
-    def test_the_stock_code_they_run_is_seen_and_runs_on_dtensors(self, name):
-        for make in (Wrapper, derived):
+    @parameterized.expand([(n,) for n in FAMILIES])
+    def test_refused_by_name_before_anything_changes(self, name):
+        for make, says in ((Wrapper, r"its processor Wrapper runs (\w+) \(its `inner`\)"),
+                           (derived, r"its processor My(\w+) derives from (\w+)")):
             with self.subTest(make.__name__):
                 model = tiny(name)
-                set_processors(model, make)
+                stock = set_processors(model, make)
                 surgery.unfuse(model)
-                wrapped = [m for m in model.modules() if isinstance(getattr(m, "processor", None), (Wrapper,))
-                           or type(getattr(m, "processor", None)).__name__.startswith("My")]
-                self.assertTrue(wrapped)
-                self.assertTrue(all(runs_on_dtensors(m) for m in wrapped))
-                shard(model)
+                snap = snapshot(model)
+                with self.assertRaisesRegex(surgery.SurgeryError, says + r", which reads the stored head count "
+                                            r"`attn.heads`.*Set the stock processor back before sharding") as caught:
+                    shard(model)
+                self.assertIn(re.search(says, str(caught.exception)).groups()[-1], stock)  # the stock class
+                assert_unchanged(model, snap)
 
     @parameterized.expand([(n,) for n in FAMILIES])
     def test_a_wrapper_around_the_processor_unfuse_installs_shards(self, name):
