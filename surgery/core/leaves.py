@@ -301,7 +301,12 @@ def head_dim_twin(stock: type) -> type:
 
 def runs_twin(module: nn.Module) -> bool:
     """Whether `module` runs a twin processor made here (heads split by `head_dim`: it can run column-sharded)."""
-    return type(getattr(module, "processor", None)) in _stocks
+    return is_twin(getattr(module, "processor", None))
+
+
+def is_twin(processor) -> bool:
+    """Whether `processor` is a twin made here (heads split by `head_dim`)."""
+    return type(processor) in _stocks
 
 
 def translate(processor, unfusing: bool):

@@ -29,6 +29,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from diffusers.utils.torch_utils import unwrap_module
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -245,12 +246,14 @@ def save_pretrained(
     The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
     names, index and `config.json`), so stock `from_pretrained` loads them. The save owns only those files: they are
     written into a temporary sibling and swapped into place when complete (`surgery.io.atomic`), and every other file of
-    an existing `folder` (a README, LoRA weights, `samples/`) is kept. A pipeline's root folder is refused (pass its
-    `transformer/`); a second save to the same folder while one runs is refused. A tensor-parallel model must be
+    an existing `folder` (a README, LoRA weights, `samples/`) is kept; a `torch.compile`d model saves as the model it
+    wraps. A pipeline's root folder is refused (pass its `transformer/`); a second save to the same folder while one
+    runs is refused. A tensor-parallel model must be
     saved from every rank at once, to one folder every rank sees (rank 0 writes the final files); a rank that never
     calls it makes the others raise after `SURGERY_HANDSHAKE_TIMEOUT` seconds (default 30). Returns the folder,
     resolved.
     """
+    model = unwrap_module(model)  # `torch.compile(model)` saves as the model it wraps, as diffusers' pipelines do
     if not is_sharded(model):
         target = _check(model, folder, max_shard_size)
         slices = checkpoint_slices(model)

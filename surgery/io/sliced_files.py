@@ -12,6 +12,7 @@ the file or a swapped shift/scale reads the very rows diffusers would have put t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.core.prequantized import block_layout, dequantizable, dequantizable_names
+from surgery.parallel.agreement import file_identity
 
 _GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -60,6 +62,14 @@ class SlicedFile:
 
     path: Path
     tensors: dict[str, StoredTensor]
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def identity(self) -> str:
+        """What the ranks compare, read from the open file after its tensors were (`file_identity`): every rank must
+        have read the same file."""
+        return file_identity(self._fd)
 
     def __enter__(self):
         return self
@@ -124,7 +134,32 @@ class SafetensorsFile(SlicedFile):
         for name, entry in header.items():
             dtype, shape, offsets = _entry(self.path, name, entry)
             self.tensors[name] = StoredTensor(name, shape, 8 + size + offsets[0], dtype)
-        self._fd = os.open(self.path, os.O_RDONLY)
+        _check_offsets(self.path, header, self.tensors, os.path.getsize(self.path) - 8 - size)
+        self._open()
+
+
+def _check_offsets(path: Path, header: dict, tensors: dict[str, StoredTensor], data_bytes: int) -> None:
+    """What safetensors checks before it reads: the tensors' byte ranges tile the data section exactly, each as long
+    as its shape times its dtype's size. A range moved or resized (a damaged or hand-edited header) would otherwise
+    read another tensor's bytes as this one's values."""
+    end = 0
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, stop = entry["data_offsets"]
+        t = tensors[name]
+        expected = math.prod(t.shape) * t.dtype.itemsize
+        if begin != end or stop - begin != expected:
+            raise SurgeryError(
+                f"'{path}': tensor {name!r} is stored at data bytes {begin}..{stop}, but its shape {list(t.shape)} of "
+                f"{entry['dtype']} needs {expected} bytes starting at {end}, where the tensor before it ends: the header "
+                "does not describe the data (a damaged or edited file). Write the file again (safetensors' "
+                "save_file); stock safetensors refuses it as well."
+            )
+        end = stop
+    if end != data_bytes:
+        raise SurgeryError(
+            f"'{path}': its header describes {end} bytes of tensor data, but the file holds {data_bytes} (a damaged "
+            "or truncated file). Write the file again (safetensors' save_file)."
+        )
 
 
 def _entry(path: Path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
@@ -169,7 +204,7 @@ class GGUFFile(SlicedFile):
                     f"'{self.path}': tensor {t.name!r} is GGUF {_ggml_name(t.ggml_type)}, which diffusers cannot "
                     f"dequantize (it reads {', '.join(dequantizable_names())}). Convert the file to one of those "
                     "types (Q8_0 keeps the most).")
-        self._fd = os.open(self.path, os.O_RDONLY)
+        self._open()
 
 
 def _ggml_name(ggml_type: int) -> str:
