@@ -48,18 +48,22 @@ class Kandinsky5Names(unittest.TestCase):
                               "out_layer": RowwiseParallel, "query_norm": SequenceParallel,
                               "key_norm": SequenceParallel})
 
-    def test_a_stock_processor_reshaping_by_num_heads_is_refused(self):
-        # Kandinsky 6 SR: the same attention spelling, no registered family, so nothing twins its processor; without
-        # the refusal its `unflatten(-1, (attn.num_heads, -1))` would cut each rank's heads into num_heads pieces
+    def test_a_stock_processor_reshaping_by_num_heads_runs_on_dtensors(self):
+        # Kandinsky 6 SR: the same attention spelling, no registered family, so nothing twins its processor; its
+        # `unflatten(-1, (attn.num_heads, -1))` would cut each rank's heads into num_heads pieces on local tensors, so
+        # it runs on DTensor q/k/v (global shapes) instead
         from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
+
+        from surgery.parallel.derive import runs_on_dtensors
 
         with torch.device("meta"):
             model = Kandinsky6SRTransformer3DModel(in_visual_dim=4, out_visual_dim=4, time_dim=16, model_dim=32,
                                                    ff_dim=64, num_visual_blocks=1, axes_dims=(2, 2, 4))
+        attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        self.assertTrue(attentions)
+        self.assertTrue(all(runs_on_dtensors(m) for m in attentions))
         with fake_process_group(2):
-            with self.assertRaisesRegex(surgery.SurgeryError, r"Kandinsky6SRAttnProcessor reshapes by the stored "
-                                                              r"head count"):
-                surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (2,)), src_data_rank=None)
+            surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (2,)), src_data_rank=None)
         # Kandinsky 5's stock model (its family registered): refused as not yet unfused
         family = surgery.extend.families()["kandinsky5"]
         with fake_process_group(2):
