@@ -20,17 +20,21 @@ TEST_COMMAND = "python -m pytest -q tests"
 def families_table() -> str:
     """One row per kind of support, the families' `--model` names in each (the details live in docs/families.md)."""
     import surgery  # noqa: F401  (registers the built-in families)
+    from surgery.core.build import model_on_meta
     from surgery.core.registry import families, model_class
+    from surgery.core.walk import find_modules
 
-    kinds: dict[str, list[str]] = {}
+    unfused, as_is = "unfused, then sharded with stock styles", "nothing fused: sharded with stock styles as is"
+    kinds: dict[str, list[str]] = {unfused: [], as_is: []}
     for family in families().values():
         if not family.variants:
             continue
-        kind = ("unfused, then sharded with stock styles" if family.rewrites
-                else "nothing fused: sharded with stock styles as is")
+        # without rewrites of its own a family may still hold a class another one rewrites (a SwiGLU FeedForward)
+        fuses = family.rewrites or find_modules(model_on_meta(family, family.config()), fused=True)
+        kind = unfused if fuses else as_is
         kinds.setdefault(kind, []).append(f"`{family.name}` ({model_class(family).__name__})")
     rows = ["| support | families (`--model` name, diffusers class) |", "|---|---|"]
-    rows += [f"| {kind} | {', '.join(names)} |" for kind, names in kinds.items()]
+    rows += [f"| {kind} | {', '.join(names)} |" for kind, names in kinds.items() if names]
     return "\n".join(rows)
 
 
