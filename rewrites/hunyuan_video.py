@@ -15,7 +15,7 @@ Why the processors: every HunyuanVideo attention processor reshapes by the globa
 (`unflatten(2, (attn.heads, -1))` in `HunyuanVideoAttnProcessor2_0`; `view(batch, -1, attn.heads, head_dim)` and a
 mask repeated `attn.heads` times in the refiner's `AttnProcessor2_0`). On a rank that holds a column shard of q/k/v
 those split each head into pieces, so stock tensor parallelism would run and be wrong. Their twins
-(`surgery.core.leaves.head_dim_twin`) are the stock source with the edits registered in `surgery.core.leaves.EDITS`: heads split
+(`surgery.core.leaves.head_dim_twin`) are the stock source with the processor rule's edits (`rule_edits`): heads split
 by `head_dim`, and the refiner's per-sample mask broadcast over however many heads a rank holds.
 """
 

@@ -39,6 +39,7 @@ from surgery.io import loading as _loading
 from surgery.io.saving import save_pretrained
 from surgery.parallel import pipeline as _pipeline
 from surgery.parallel.context_parallel import context_parallel
+from surgery.parallel.decode import decode_parallel
 from surgery.parallel.tensor_parallel import tensor_parallel
 from surgery import extend, lora, state_dict  # noqa: F401  (the public modules)
 import surgery_rewrites  # noqa: F401,E402  (registers the built-in families; the engine never imports them)
@@ -51,6 +52,7 @@ __all__ = [
     "save_pretrained",
     "context_parallel",
     "tensor_parallel_pipeline",
+    "decode_parallel",
     "SurgeryError",
 ]
 

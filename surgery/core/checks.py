@@ -116,7 +116,8 @@ def check_replaced_parameter(param: torch.Tensor, name: str, verb: str, also_at:
 
 
 def check_inference_tensor(param: torch.Tensor, name: str, verb: str) -> None:
-    if param.is_inference():
+    # inside inference_mode the new Parameters are inference tensors too, as stock's are when built there
+    if param.is_inference() and not torch.is_inference_mode_enabled():
         raise SurgeryError(
             f"surgery.{verb}: '{name}' is an inference tensor: the model was built or loaded under "
             "torch.inference_mode(), and inference tensors cannot be sliced into new Parameters. Build or load it "

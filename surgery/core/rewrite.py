@@ -137,12 +137,6 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
         return model
     check_model(model, verb)
     check_wrappers(model, verb)
-    if torch.is_inference_mode_enabled() and any(not p.is_meta for _, m, _ in found for p in m.parameters()):
-        raise SurgeryError(
-            f"surgery.{verb}: called inside torch.inference_mode(), where the new parameters would be inference "
-            "tensors that no later backward or optimizer step can use. Call it outside inference_mode (torch.no_grad() "
-            "is enough), then run inference as before."
-        )
     if not unfusing:  # the leaves' packed views go with them (and would count as holders of their parameters)
         unpack_all(model)
     slots_of = _names_by_parameter(model)

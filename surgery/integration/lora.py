@@ -261,8 +261,11 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     # the same order), never the model
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     state = _real_heads(state, trims(model))
+    # each layer's scale as loaded (alpha / r): `scaling` also holds the weight `set_adapters` gave the adapter,
+    # which is a setting of the model, not part of the adapter (stock diffusers saves the adapter without it)
     scale = {
-        name: float(layer.scaling[adapter_name])
+        name: layer.lora_alpha[adapter_name] / (math.sqrt(layer.r[adapter_name])
+                                                if layer.use_rslora.get(adapter_name) else layer.r[adapter_name])
         for name, layer in model.named_modules()
         if isinstance(layer, BaseTunerLayer) and adapter_name in getattr(layer, "scaling", {})
     }

@@ -29,6 +29,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from diffusers.utils.torch_utils import unwrap_module
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -44,7 +45,9 @@ from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
 )
+from surgery.core.prequantized import gguf_weight, type_name
 from surgery.parallel.agreement import agree, agree_and_share
+from surgery.parallel.quantized import quantized
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -208,6 +211,7 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
     shard_bytes(max_shard_size)
     if getattr(model, "hf_quantizer", None) is not None:
         raise SurgeryError(f"{VERB}: the model is quantized; save it with model.save_pretrained.")
+    _check_plain(model)
     peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if peft:
         raise SurgeryError(
@@ -215,6 +219,22 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
             "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
         )
     return target
+
+
+def _check_plain(model: nn.Module) -> None:
+    """Only plain weights are written: a torchao or GGUF tensor (quantized by the user, or read per rank by
+    load_tensor_parallel) would fail deep inside the write, or be written as something diffusers cannot read."""
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if quantized(param) or quantized(local) or type(local) not in (torch.Tensor, nn.Parameter):
+            tensor = param if quantized(param) else local
+            kind = (f"GGUF {type_name(tensor.ggml_type)} bytes" if gguf_weight(tensor)
+                    else f"a {type(tensor).__module__.split('.')[0]} {type(tensor).__name__}")
+            raise SurgeryError(
+                f"{VERB}: '{name}' of '{name.rpartition('.')[0]}' is quantized ({kind}); a diffusers checkpoint "
+                "holds plain weights. Save the model before quantizing it and quantize again after loading, or keep "
+                "the quantized file it was loaded from (load_tensor_parallel reads it per rank)."
+            )
 
 
 def save_pretrained(
@@ -226,12 +246,14 @@ def save_pretrained(
     The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
     names, index and `config.json`), so stock `from_pretrained` loads them. The save owns only those files: they are
     written into a temporary sibling and swapped into place when complete (`surgery.io.atomic`), and every other file of
-    an existing `folder` (a README, LoRA weights, `samples/`) is kept. A pipeline's root folder is refused (pass its
-    `transformer/`); a second save to the same folder while one runs is refused. A tensor-parallel model must be
+    an existing `folder` (a README, LoRA weights, `samples/`) is kept; a `torch.compile`d model saves as the model it
+    wraps. A pipeline's root folder is refused (pass its `transformer/`); a second save to the same folder while one
+    runs is refused. A tensor-parallel model must be
     saved from every rank at once, to one folder every rank sees (rank 0 writes the final files); a rank that never
     calls it makes the others raise after `SURGERY_HANDSHAKE_TIMEOUT` seconds (default 30). Returns the folder,
     resolved.
     """
+    model = unwrap_module(model)  # `torch.compile(model)` saves as the model it wraps, as diffusers' pipelines do
     if not is_sharded(model):
         target = _check(model, folder, max_shard_size)
         slices = checkpoint_slices(model)

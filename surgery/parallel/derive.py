@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
-from surgery.core.leaves import runs_twin, under
+from surgery.core.leaves import is_twin, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
@@ -216,13 +216,38 @@ def qk_norms_per_head(module: nn.Module) -> bool:
                if norm is not None and not isinstance(norm, nn.Identity))
 
 
+def head_count_reader(processor, seen: frozenset = frozenset()) -> tuple[type, str] | None:
+    """What, in the code `processor` runs, reads the stored head count (wrong on a rank that holds a share of the
+    heads), as (class, how the processor runs it); None where nothing does. That code is every `__call__` of its
+    class's MRO (an override may call `super().__call__`) and of the callables it holds (a wrapper's inner
+    processor, followed the same way); a twin made here splits heads by `head_dim`. Code without source to read
+    counts as reading it."""
+    if is_twin(processor) or id(processor) in seen:
+        return None
+    seen = seen | {id(processor)}
+    if inspect.ismethod(processor) or inspect.isfunction(processor):
+        owner = getattr(processor, "__self__", None)
+        calls = [(type(owner) if owner is not None else processor, processor)]
+    else:
+        calls = [(cls, vars(cls)["__call__"]) for cls in type(processor).__mro__ if "__call__" in vars(cls)]
+    for cls, call in calls:
+        try:
+            source = inspect.getsource(call)
+        except (OSError, TypeError):
+            return cls, "has no source to read"
+        if any(f"attn.{count}" in source for count in HEAD_COUNTS):
+            return cls, "" if cls is type(processor) else f"derives from {cls.__name__}"
+    for name, value in getattr(processor, "__dict__", {}).items():
+        if callable(value) and not isinstance(value, (type, nn.Module)):
+            found = head_count_reader(value, seen)
+            if found is not None:
+                return found[0], f"runs {found[0].__name__} (its `{name}`)"
+    return None
+
+
 def processor_reads_head_count(processor) -> bool:
-    """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
-    try:
-        source = inspect.getsource(type(processor).__call__)
-        return any(f"attn.{count}" in source for count in HEAD_COUNTS)
-    except (OSError, TypeError):
-        return True  # no source to read: assume the worst
+    """Whether a processor's code reads the stored head count (see `head_count_reader`)."""
+    return head_count_reader(processor) is not None
 
 
 def runs_on_dtensors(module: nn.Module) -> bool:
@@ -237,6 +262,13 @@ def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`); where its processor reads the stored head count and no head-dim twin runs, the
     same on DTensors, the module itself under `ImplicitReplication` (the stock processor runs as it is)."""
+    processor = getattr(module, "processor", None)
+    reader = head_count_reader(processor) if processor is not None else None
+    if reader is not None and reader[1]:  # a wrapper or subclass: not the stock code a twin or DTensors are proven on
+        return Refused(f"its processor {type(processor).__name__} {reader[1]}, which reads the stored head count "
+                       "`attn.heads` (or has no source to read), and surgery gives only a stock processor its head-dim "
+                       "twin. Set the stock processor back before sharding, or set yours after surgery.unfuse around "
+                       "the processor it installs (attention.processor)")
     if runs_on_dtensors(module):
         plan = projection_plan(module, on_dtensors=True)
         return plan if isinstance(plan, Refused) else {**plan, "": ImplicitReplication()}

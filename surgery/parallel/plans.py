@@ -182,6 +182,7 @@ def kept(planned: Planned, filter_fn: FilterFn) -> Planned:
     out = []
     for path, module, plan in planned:
         entries = {key: style for key, style in plan.items() if filter_fn(module.get_submodule(key), _join(path, key))}
+        _check_heads_norms_kept(path, plan, entries)
         if entries:
             out.append((path, module, entries))
     if planned and not out:
@@ -189,6 +190,27 @@ def kept(planned: Planned, filter_fn: FilterFn) -> Planned:
         raise SurgeryError(f"surgery.tensor_parallel: filter_fn kept none of the {count} planned modules, so nothing "
                            "would be sharded.")
     return out
+
+
+def _check_heads_norms_kept(path: str, plan: dict, entries: dict) -> None:
+    """A module planned `SequenceParallel` beside colwise projections (a q/k norm over each head) runs on the heads
+    those projections shard: its style makes its weight a replicated DTensor, so that its gradient sums every rank's
+    heads. Kept whole while its projections are sharded, it computes the right forward and a gradient of this rank's
+    heads alone, so it is refused."""
+    for key, style in plan.items():
+        if key in entries or not isinstance(style, SequenceParallel):
+            continue
+        parent = key.rpartition(".")[0]
+        sharding = [k for k, s in entries.items()
+                    if isinstance(s, ColwiseParallel) and (not parent or k.startswith(f"{parent}."))]
+        if sharding:
+            name, by = _join(path, key), _join(path, sharding[0])
+            raise SurgeryError(
+                f"surgery.tensor_parallel: filter_fn keeps '{name}' whole but shards '{by}', whose heads it "
+                f"normalizes: its forward would be right, but its weight's gradient would sum only each rank's heads. "
+                f"Keep '{name}' (its SequenceParallel style sums the gradient over the ranks) wherever filter_fn "
+                f"keeps '{by}', or drop both."
+            )
 
 
 def planned_for(model: nn.Module, plan: dict | None = None, filter_fn: FilterFn | None = None) -> Planned:
@@ -433,6 +455,29 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
                 )
 
 
+def check_whole_units(model: nn.Module, planned: Planned, given: str) -> None:
+    """A literal plan or a filter keeps each registered (or derived) plan's module whole or drops it whole: one
+    sharded Linear whose partner stays whole (q/k/v without their output projection, a split projection's parts
+    without the resolution of their partial sum, heads without their norms) computes with mismatched shapes or
+    wrong gradients, found only in the forward or not at all."""
+    kept = {_join(path, key) for path, _, plan in planned for key in plan}
+    for path, module, plan in planned_modules(model):
+        entries = {_join(path, key): (key, style) for key, style in plan.items()}
+        have = [name for name in entries if name in kept]
+        missing = [name for name in entries if name not in kept]
+        if have and missing:
+            def named(names):
+                return ", ".join(f"'{entries[n][0] or '<itself>'}' ({type(entries[n][1]).__name__})" for n in names[:3]) + (
+                    f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise SurgeryError(
+                f"surgery.tensor_parallel: {given} shards {named(have)} of '{path or '<model>'}' "
+                f"({type(module).__name__}) but leaves its partner{'s' if len(missing) > 1 else ''} {named(missing)} "
+                f"whole; half a sharded module computes with mismatched shapes or wrong gradients. Keep or drop all "
+                f"{len(entries)} entries of '{path or '<model>'}' together (surgery.parallel.plans.effective_plan "
+                "lists them)."
+            )
+
+
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
     of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
@@ -440,6 +485,8 @@ def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None
     adopted = adopt_prequantized(model)
     try:
         planned = planned_for(model, plan, filter_fn)
+        if plan is not None or filter_fn is not None:
+            check_whole_units(model, planned, "plan=" if plan is not None else "filter_fn")
         # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
         # owners are
         check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)

@@ -123,6 +123,9 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
                 continue
             data = tensor.detach()
             on_mesh = data if data.device.type == mesh.device_type else data.to(mesh.device_type)
+            # a broadcast sends and fills memory in order: ranks whose copies are laid out differently (one stored
+            # transposed) must meet in a dense buffer
+            on_mesh = on_mesh.contiguous()
             dist.broadcast(on_mesh, src=src, group=group)
             if on_mesh is not data:
                 data.copy_(on_mesh)
@@ -376,7 +379,10 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
     """Rank `src_data_rank`'s cut of `original` into this rank's shard of `param` (see `copy_from_source`)."""
     group = mesh.get_group()
     me, world = mesh.get_local_rank(), mesh.size()
-    local = param._local_tensor
+    shard = param._local_tensor
+    # A collective fills its output's memory in order, whatever the strides: a shard of a weight stored transposed
+    # (`w.t().contiguous().t()`, kept as a strided view by `src_data_rank=None` slicing) receives into a dense buffer.
+    local = shard if shard.is_contiguous() else torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
     pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
     if local.dtype.itemsize == 1 and local.is_floating_point():  # gloo sends no float8: send its bytes
         local = local.view(torch.uint8)
@@ -384,14 +390,16 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
     if original.device.type == mesh.device_type:
         scatter = [p.contiguous() for p in pieces] if pieces is not None else None
         dist.scatter(local, scatter, src=src, group=group)
-        return
-    for i in range(world):
-        if i == src_data_rank:
-            continue
-        buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
-        dist.broadcast(buffer, src=src, group=group)
-        if i == me:
-            local.copy_(buffer)
+    else:
+        for i in range(world):
+            if i == src_data_rank:
+                continue
+            buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
+            dist.broadcast(buffer, src=src, group=group)
+            if i == me:
+                local.copy_(buffer)
+    if local.data_ptr() != shard.data_ptr():
+        shard.copy_(local.view(shard.dtype))
 
 
 def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:

@@ -174,6 +174,18 @@ class Layers(unittest.TestCase):
                     wrong.append(f"{name}:{node.lineno} imports {package} inside a function")
         self.assertEqual(wrong, [])
 
+    def test_the_layout_page_names_every_engine_module(self):
+        # docs/layout.md's first block: each folder of surgery/, then the modules it holds, by name
+        import re
+
+        block = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
+        described = {entry.split()[0]: entry for entry in re.split(r"\n(?=\S)", block.strip())}
+        for folder in sorted(p for p in (ROOT / "surgery").iterdir() if (p / "__init__.py").exists()):
+            text = described.get(f"surgery/{folder.name}/", "")
+            for module in sorted(folder.glob("*.py")):
+                if module.stem != "__init__":
+                    self.assertRegex(text, rf"\b{module.stem}\b", f"docs/layout.md: surgery/{folder.name}/{module.name}")
+
     def test_the_checks_see_a_broken_graph(self):
         """The checks above must be able to fail: an upward edge, a loop and a lazy import, added on paper."""
         edges = graph()
@@ -231,7 +243,7 @@ class InstalledNames(unittest.TestCase):
 
         self.assertEqual(sorted(surgery.__all__), sorted([
             "unfuse", "fuse", "tensor_parallel", "load_tensor_parallel", "save_pretrained", "context_parallel",
-            "tensor_parallel_pipeline", "SurgeryError"]))
+            "tensor_parallel_pipeline", "decode_parallel", "SurgeryError"]))
         for old in ("key_map", "weight_slices", "register_family", "shard_lora", "inspect", "registry"):
             self.assertFalse(hasattr(surgery, old), old)
         with self.assertRaises(TypeError):

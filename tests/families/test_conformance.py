@@ -89,6 +89,16 @@ def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
         test.skipTest(f"{family_name} fuses nothing (plans only): nothing to unfuse; see PlansOnly")
 
 
+class EveryFamily(unittest.TestCase):
+    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants], name_func=_name)
+    def test_is_run_by_this_suite(self, family_name):
+        # the README, docs/families.md and `surgery families` list a family as sharded only if this suite runs it
+        self.assertTrue(W.families()[family_name].test_configs,
+                        f"{family_name} registers published variants but no test configs, so this suite never runs "
+                        "it and nothing proves it shards: add test_configs (its structure at tiny widths)")
+        self.assertIn(family_name, {name for name, _ in TP_CASES})
+
+
 class Equivalence(unittest.TestCase):
     @parameterized.expand(CASES, name_func=_name)
     def test_forward_and_backward_fp32(self, family_name, config_name):
@@ -189,6 +199,7 @@ class PlansOnly(unittest.TestCase):
                 self.assertEqual(diffusers_tp_plan(model), type(model)._tp_plan, f"{family_name}-{variant}")
 
 
+@pytest.mark.heavy  # published widths, on meta: every variant built and every family planned at TP 8 (CI's second run)
 class FullSize(unittest.TestCase):
     @parameterized.expand(VARIANTS, name_func=_name)
     def test_published_variant_rewrites_on_meta(self, family_name, variant):
@@ -315,3 +326,4 @@ class Convert(unittest.TestCase):
                 self.assertTrue(torch.equal(back[key], value), key)
             reloaded = model_class(family).from_pretrained(f"{tmp}/fused")
             self.assertEqual(sorted(reloaded.state_dict()), sorted(original))
+

@@ -159,6 +159,7 @@ def test_regional_compile_runs_and_matches_stock():
     assert_same_outputs(run(unfused, family, config, 1), run(stock, family, config, 1))
 
 
+@pytest.mark.heavy  # dynamo traces every family (~2 s each); the default tier runs one: the test above
 @pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
 def test_torch_compile(family_name, config_name):
     family, config, stock, unfused = build(family_name, config_name)

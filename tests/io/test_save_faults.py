@@ -59,6 +59,13 @@ class SaveFaults(unittest.TestCase):
         "lora_different_names": (r"^SurgeryError: surgery.Flux2Transformer2DModel.load_lora_adapter: rank 1 loads the "
                                  r"adapter as 'y1', rank 0 as 'y0'; nothing was loaded. Pass the same adapter_name on "
                                  r"every rank.$", None),
+        "lora_save_no_such_adapter_on_rank_1": (
+            r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 1: "
+            r"Flux2Transformer2DModel.save_lora_adapter: the model has no LoRA adapter named 'nope' \(it has \['x'\]\)"
+            r".* \(rank 0 stopped with it\)$", None),
+        "lora_save_different_adapters": (r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 1 "
+                                         r"saves the adapter 'z', rank 0 'x'; nothing was written. Pass the same "
+                                         r"adapter_name on every rank.$", None),
         "lora_disk_full_rank_0": (r"^SurgeryError: surgery.Flux2Transformer2DModel.save_lora_adapter: rank 0 failed "
                                   r"while writing the adapter \('.*/lora/adapter' is as it was\): SafetensorError: .*File too large "
                                   r"\(os error 27\) \(rank 1 stopped with it\)$", None),

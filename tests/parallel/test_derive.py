@@ -16,7 +16,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
-from surgery.app import coverage
 from surgery.core.registry import model_class, tp_plan_for
 from surgery.testing import assert_unchanged, snapshot
 from surgery.parallel.distributed import fake_process_group
@@ -237,7 +236,7 @@ if __name__ == "__main__":
     unittest.main()
 
 
-class AllReducesAndTheFamiliesPage(unittest.TestCase):
+class AllReduces(unittest.TestCase):
     @parameterized.expand([(f.name,) for f in W.conformant_families()])
     def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
         # the hand-written families' counts (lambdas over the config) are independent of `all_reduces`
@@ -262,28 +261,3 @@ class AllReducesAndTheFamiliesPage(unittest.TestCase):
             # feed-forward on both streams): the exact number is what the conformance world-2 job measures
             self.assertGreaterEqual(family.count_all_reduces(config), read)
             self.assertLessEqual(family.count_all_reduces(config), 2 * read)
-
-    def test_the_families_page_rows_of_registered_families_are_current(self):
-        page = coverage.DOC.read_text()
-        for family in W.conformant_families():
-            row = coverage.table([coverage.class_status(model_class(family))]).splitlines()[-1]
-            self.assertIn(row, page, "run `python -m surgery.app.coverage`")
-            self.assertIn("| sharded |", row)
-
-    def test_surgery_families_prints_a_row_per_class(self):
-        import contextlib
-        import io
-        from unittest import mock
-
-        from surgery.app import cli
-
-        classes = [diffusers.WanTransformer3DModel, diffusers.AnyFlowFARTransformer3DModel]
-        out = io.StringIO()
-        with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
-            self.assertEqual(cli.main(["families"]), 0)
-        rows = out.getvalue().splitlines()
-        wan = W.families()["wan"]
-        self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} |")
-        self.assertTrue(rows[3].startswith("| AnyFlowFARTransformer3DModel |  | refused | 'blocks.0.attn1.to_q' "
-                                           "(Linear in a AnyFlowAttention) has no tensor-parallel plan"), rows[3])
-        self.assertIn("AnyFlowCausalAttnProcessor", rows[3])

@@ -177,8 +177,8 @@ class WholePipelines(unittest.TestCase):
     def test_report_says_what_stays_whole_and_why(self):
         report = {r["component"]: r for r in ranks(2)[0]["pipelines"]["flux1"]["report"]}
         self.assertFalse(report["vae"]["sharded"])
-        # the VAE's one-head mid-block attention: derived plan, but no mesh of 2 splits one head
-        self.assertIn("holds 1 heads of 16, which a mesh of 2 cannot split", report["vae"]["reason"])
+        # the VAE's weights stay whole on every rank; its decode is split (surgery.decode_parallel)
+        self.assertIn("weights whole; its decode split over 2 ranks by tiles", report["vae"]["reason"])
         self.assertTrue(report["text_encoder"]["sharded"])  # CLIP: the literal plan of rewrites/clip.py
         self.assertIn("not a torch module", report["tokenizer_2"]["reason"])
 

@@ -115,18 +115,24 @@ def quantized_names(state: dict[str, torch.Tensor], kind: str, only: str | None 
 def write_gguf(model, path: Path, kind: str, only: str | None = None) -> Path:
     """`model` as a GGUF FLUX.2 checkpoint with its Linears quantized to `kind` (Q8_0, Q4_0, Q4_K, F32), and a
     config.json beside it (`path.parent`) for `from_single_file(config=...)`."""
-    import gguf
-
     state = bfl_state_dict(model)
     quantized = set(quantized_names(state, kind, only)) if kind != "F32" else set()
+    return write_stored(model, path, lambda name, array: quantize(array, kind) if name in quantized else None)
+
+
+def write_stored(model, path: Path, stored) -> Path:
+    """`model` as a GGUF FLUX.2 checkpoint, each tensor as `stored(BFL name, float32 array)` gives it: `(bytes,
+    GGML type)`, or None for F32; config.json beside it."""
+    import gguf
+
     writer = gguf.GGUFWriter(str(path), "flux")
-    for name, value in state.items():
+    for name, value in bfl_state_dict(model).items():
         array = value.numpy()
-        if name in quantized:
-            data, qtype = quantize(array, kind)
-            writer.add_tensor(name, data, raw_dtype=qtype)
-        else:
+        raw = stored(name, array)
+        if raw is None:
             writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, raw[0], raw_dtype=raw[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

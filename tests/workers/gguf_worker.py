@@ -7,6 +7,7 @@ import copy
 import os
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -16,6 +17,7 @@ warnings.filterwarnings("ignore")
 
 import surgery  # noqa: E402
 from surgery.core.prequantized import GGUFWeight  # noqa: E402
+from surgery.io import sliced_files  # noqa: E402
 from surgery.parallel.quantized import held_bytes  # noqa: E402
 from surgery.testing import rel_err  # noqa: E402
 from surgery_rewrites.flux2 import FAMILY, example_inputs  # noqa: E402
@@ -117,16 +119,26 @@ def _load_counting_reads(path: Path, mesh):
     """`load_tensor_parallel` of the .gguf file, with every byte it reads from the file counted (os.pread: how the
     GGUF path reads tensor data; the header is parsed from a map before)."""
     counted = [0]
-    real = os.pread
+    real, identity = os.pread, sliced_files.file_identity
+    comparing = [False]
 
     def pread(fd, n, offset):
         data = real(fd, n, offset)
-        counted[0] += len(data)
+        counted[0] += 0 if comparing[0] else len(data)
         return data
+
+    def file_identity(fd):
+        # the fixed-size digest the ranks compare (a header and samples), not tensor data: counted apart
+        comparing[0] = True
+        try:
+            return identity(fd)
+        finally:
+            comparing[0] = False
 
     os.pread = pread
     try:
-        model = surgery.load_tensor_parallel(None, path, mesh, progress=False)
+        with mock.patch.object(sliced_files, "file_identity", file_identity):
+            model = surgery.load_tensor_parallel(None, path, mesh, progress=False)
     finally:
         os.pread = real
     return model, counted[0]

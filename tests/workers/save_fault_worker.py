@@ -180,6 +180,13 @@ def run(rank: int, world: int, root: str) -> dict:
     case("lora_different_folders", lambda: model.save_lora_adapter(root / "lora" / f"a{rank}", adapter_name="x"),
          root / "lora" / "a0", root / "lora" / f"a{rank}")
     case("lora_different_names", lambda: model.load_lora_adapter(lora, adapter_name=f"y{rank}"), lora)
+    case("lora_save_no_such_adapter_on_rank_1",
+         lambda: model.save_lora_adapter(lora, adapter_name="x" if rank == 0 else "nope"), lora)
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_out.0", "to_qkv_mlp_proj"],
+                                 init_lora_weights=False), adapter_name="z")
+    lora_tp.shard_lora(model)
+    case("lora_save_different_adapters", lambda: model.save_lora_adapter(lora, adapter_name="xz"[rank]), lora)
+    model.delete_adapters("z")
     out["lora_different_names"]["adapters"] = sorted(model.peft_config)
     original_write = lora_tp.write_adapter
 
