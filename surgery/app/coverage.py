@@ -129,9 +129,15 @@ def rebuilt_table(world: int) -> str:
 def readme_table() -> str:
     """The README's families: one row per kind of support, the `--model` names of the families the proof lists as
     sharded (docs/families.md has every class, with the reasons of those refused)."""
+    from surgery.core.build import model_on_meta
+    from surgery.core.walk import find_modules
+
     kinds: dict[str, list[str]] = {}
     for family in sharded_families():
-        kind = ("unfused, then sharded with stock styles" if family.rewrites
+        # without rewrites of its own a family may still hold a class another family's rewrite unfuses (diffusers'
+        # FeedForward with a SwiGLU: Stable Audio's)
+        fuses = family.rewrites or find_modules(model_on_meta(family, family.config()), fused=True)
+        kind = ("unfused, then sharded with stock styles" if fuses
                 else "nothing fused: sharded with stock styles as is")
         kinds.setdefault(kind, []).append(f"`{family.name}` ({model_class(family).__name__})")
     rows = ["| support | families (`--model` name, diffusers class) |", "|---|---|"]

@@ -33,7 +33,7 @@ from surgery.core.registry import model_class
 from surgery.core.slicing import group_by_fused
 from surgery.testing import rel_err, run_on_cpu_ranks
 from surgery.core.walk import find_modules
-from surgery.parallel.derive import head_count
+from surgery.parallel.derive import KEYS, head_count, query_projection
 
 CASES = W.family_cases()
 TP_CASES = W.family_cases(tp_only=True)
@@ -73,11 +73,19 @@ def tp_results(world: int) -> list[dict]:
     return run_on_cpu_ranks(W.run, world, cases, checkpoints)
 
 
+@functools.lru_cache(maxsize=None)
+def plans_only(family_name: str) -> bool:
+    """No rewrite of the family's own and nothing fused in its model: a class another family rewrites (a diffusers
+    `FeedForward` with a SwiGLU, split by rewrites/ovis_image.py) makes a family without rewrites fuse something."""
+    family = W.families()[family_name]
+    return not family.rewrites and not find_modules(model_on_meta(family, family.config()), fused=True)
+
+
 def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
     """A plans-only family (nothing fused: qwen-image, qwen-image-2.1) has nothing to unfuse, so an unfused-vs-fused
     comparison would compare the model with its own copy, and a loop over its fused modules would run over nothing.
     `PlansOnly` checks what such a family does have: its plans, against diffusers'."""
-    if not W.families()[family_name].rewrites:
+    if plans_only(family_name):
         test.skipTest(f"{family_name} fuses nothing (plans only): nothing to unfuse; see PlansOnly")
 
 
@@ -168,7 +176,7 @@ class Structure(unittest.TestCase):
                 self.assertEqual({k: v for k, v in vars(module).items() if not k.startswith("_")}, attributes, path)
 
 
-PLANS_ONLY = [(f.name,) for f in W.conformant_families() if not f.rewrites]
+PLANS_ONLY = [(f.name,) for f in W.conformant_families() if plans_only(f.name)]
 
 
 class PlansOnly(unittest.TestCase):
@@ -214,8 +222,9 @@ class FullSize(unittest.TestCase):
         family = surgery.extend.families()[family_name]
         config = family.config()
         model = surgery.unfuse(model_on_meta(family, config, torch.bfloat16))
-        # the heads every attention splits, read off the model (Z-Image's 30 split over 2 at most)
-        heads = math.gcd(*(n for n in map(head_count, model.modules()) if n is not None), 0) or 8
+        # the heads every attention splits, query and key/value, read off the model (Z-Image's 30 split over 2 at
+        # most, Stable Audio's 12 key/value heads over 4)
+        heads = math.gcd(*(n for m in model.modules() for n in head_counts(m)), 0) or 8
         tp = next(n for n in (8, 4, 2) if heads % n == 0)  # HunyuanImage's 28 heads split over 4 at most
         with fake_process_group(tp):
             whole = {n: p.nbytes for n, p in model.named_parameters()}
@@ -233,6 +242,15 @@ class FullSize(unittest.TestCase):
         self.assertTrue(declared.isdisjoint(sharded), sorted(declared & sharded)[:3])
         self.assertGreater(sum(whole[n] for n in sharded),
                            0.55 * sum(b for n, b in whole.items() if n not in declared))
+
+
+def head_counts(module: torch.nn.Module) -> list[int]:
+    """An attention's query heads and its key projection's heads (fewer under grouped-query attention)."""
+    heads, query = head_count(module), query_projection(module)
+    if heads is None or query is None:
+        return []
+    key = next((k for k in (getattr(module, name, None) for name in KEYS) if isinstance(k, torch.nn.Linear)), None)
+    return [heads] + ([key.out_features // (query.out_features // heads)] if key is not None else [])
 
 
 def declared_whole(model: torch.nn.Module, family) -> set[str]:
