@@ -17,6 +17,7 @@ import torch
 
 import surgery
 from surgery.io import atomic, safetensors_writer, saving
+from surgery.core.state_dict import checkpoint_slices
 from flux2_testing import build, small_config
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -181,7 +182,7 @@ class NeverAbsent(Case):
         self.mine(self.dst)
         staged = atomic.Staged(self.dst, safetensors_writer.owns, "test")
         surgery.save_pretrained  # noqa: B018 - the writer under test is the one both verbs use
-        entries = saving._entries(saving._ModelTensors(self.model.state_dict()), saving._checkpoint_slices(self.model))
+        entries = saving._entries(saving._ModelTensors(self.model.state_dict()), checkpoint_slices(self.model))
         safetensors_writer.write_checkpoint(staged.path, entries, "10GB")
         self.model.save_config(staged.path)
         seen: list[str] = []
