@@ -182,7 +182,6 @@ def kept(planned: Planned, filter_fn: FilterFn) -> Planned:
     out = []
     for path, module, plan in planned:
         entries = {key: style for key, style in plan.items() if filter_fn(module.get_submodule(key), _join(path, key))}
-        _check_heads_norms_kept(path, plan, entries)
         if entries:
             out.append((path, module, entries))
     if planned and not out:
@@ -190,27 +189,6 @@ def kept(planned: Planned, filter_fn: FilterFn) -> Planned:
         raise SurgeryError(f"surgery.tensor_parallel: filter_fn kept none of the {count} planned modules, so nothing "
                            "would be sharded.")
     return out
-
-
-def _check_heads_norms_kept(path: str, plan: dict, entries: dict) -> None:
-    """A module planned `SequenceParallel` beside colwise projections (a q/k norm over each head) runs on the heads
-    those projections shard: its style makes its weight a replicated DTensor, so that its gradient sums every rank's
-    heads. Kept whole while its projections are sharded, it computes the right forward and a gradient of this rank's
-    heads alone, so it is refused."""
-    for key, style in plan.items():
-        if key in entries or not isinstance(style, SequenceParallel):
-            continue
-        parent = key.rpartition(".")[0]
-        sharding = [k for k, s in entries.items()
-                    if isinstance(s, ColwiseParallel) and (not parent or k.startswith(f"{parent}."))]
-        if sharding:
-            name, by = _join(path, key), _join(path, sharding[0])
-            raise SurgeryError(
-                f"surgery.tensor_parallel: filter_fn keeps '{name}' whole but shards '{by}', whose heads it "
-                f"normalizes: its forward would be right, but its weight's gradient would sum only each rank's heads. "
-                f"Keep '{name}' (its SequenceParallel style sums the gradient over the ranks) wherever filter_fn "
-                f"keeps '{by}', or drop both."
-            )
 
 
 def planned_for(model: nn.Module, plan: dict | None = None, filter_fn: FilterFn | None = None) -> Planned:

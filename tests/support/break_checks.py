@@ -160,7 +160,7 @@ MUTATIONS = [
         "name: layer.lora_alpha[adapter_name] / (", "name: float(layer.scaling[adapter_name]) + 0 * (",
         ["tests/integration/test_adapter_save_weights.py"]),
     ("filter_fn: a q/k norm kept whole beside its sharded projections not refused", "surgery/parallel/plans.py",
-        "        _check_heads_norms_kept(path, plan, entries)\n", "",
+        "        if have and missing:", "        if False:",
         ["tests/parallel/test_rank_inputs.py::FilterKeepsHeadNormsWhole"]),
     ("processor check: a wrapper's held processor not followed", "surgery/parallel/derive.py",
         '    for name, value in getattr(processor, "__dict__", {}).items():', "    for name, value in {}.items():",
