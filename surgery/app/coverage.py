@@ -20,9 +20,11 @@ import torch
 from diffusers import ModelMixin
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+from surgery.core.build import model_on_meta
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import families, model_class
 from surgery.core.rewrite import unfuse
+from surgery.core.walk import find_modules
 from surgery.parallel.families import all_reduces
 from surgery.parallel.plans import block_plans, checked_plan
 from surgery_cli import proof_path, read_proof, summary, table
@@ -129,9 +131,6 @@ def rebuilt_table(world: int) -> str:
 def readme_table() -> str:
     """The README's families: one row per kind of support, the `--model` names of the families the proof lists as
     sharded (docs/families.md has every class, with the reasons of those refused)."""
-    from surgery.core.build import model_on_meta
-    from surgery.core.walk import find_modules
-
     kinds: dict[str, list[str]] = {}
     for family in sharded_families():
         # without rewrites of its own a family may still hold a class another family's rewrite unfuses (diffusers'
