@@ -45,6 +45,7 @@ def leftovers(model) -> list[str]:
 def attempt(call, model) -> dict:
     """Run `call(model)` and report the error, the seconds it took to arrive and whether `model` is intact."""
     snap = snapshot(model) if model is not None else None
+    before = leftovers(model) if model is not None else []  # unfuse's own inference-packing hook on the root
     start = time.monotonic()
     counter = CollectiveCounter()  # every collective the call issued (c10d and functional), by op
     try:
@@ -68,7 +69,8 @@ def attempt(call, model) -> dict:
         intact = True
     except AssertionError:
         intact = False
-    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": leftovers(model) if model is not None else [],
+    left = [x for x in leftovers(model) if x not in before] if model is not None else []
+    return {"error": error, "seconds": seconds, "intact": intact, "leftovers": left,
             "collectives": dict(counter.counts)}
 
 
