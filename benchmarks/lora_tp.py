@@ -18,7 +18,7 @@ Measured (2 cores, klein-4B width, 1 + 1 blocks, bf16, rank 64, TP 2; adapter 19
 each rank's share 15.2 MiB): peak over RSS before the load 12.5 MiB on each rank, both ways. The increase stays below
 the share itself, so this metric undercounts here (resident pages freed before the load and reused; safetensors
 slices read through mmap); the exact claim — each rank reads only its share, element for element — is asserted in
-tests/test_lora_tp.py (elements read == elements held < elements in the file).
+tests/integration/test_lora_tp.py (elements read == elements held < elements in the file).
 
 Reported beside: the adapter file's size, this rank's share of the adapter (its local factors), the largest factor.
 Results go to benchmarks/results/lora_tp.{json,md}.

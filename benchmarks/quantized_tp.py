@@ -15,7 +15,7 @@ not depend on it. Results go to benchmarks/results/quantized_tp.{json,md}.
 Measured (smoke, TP 2, 2 shared cores): int8 weight-only 3.6e-7 before and after TP, 246,160 of 395,152 bytes per
 rank; float8 weight-only 2.5e-7, 242,368 of 389,824; int8 dynamic activation 8.1e-3 in both orders — dynamic
 activation quantization rounds activations to int8 per token, so float noise moves the whole model itself that far
-(1.5e-2 under 1e-7 relative input noise, tests/test_quantized_tp.py), while one colwise + rowwise pair matches at
+(1.5e-2 under 1e-7 relative input noise, tests/parallel/test_quantized_tp.py), while one colwise + rowwise pair matches at
 1.0e-7.
 """
 

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_bria import (
     BriaTransformer2DModel,
 )
 
-from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
+from surgery_rewrites.diffusers_common import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.extend import Processors, derived_family
 
 REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))

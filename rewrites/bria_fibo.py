@@ -25,7 +25,7 @@ from diffusers.models.transformers.transformer_bria_fibo import (
     BriaFiboTransformer2DModel,
 )
 
-from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
+from surgery_rewrites.diffusers_common import flux_like_inputs, flux_like_rewrites, reduced
 from surgery.extend import Processors, derived_family, swap_rewrite
 
 _SINGLE_ATTENTION = Processors((BriaAttnProcessor,))

@@ -9,7 +9,7 @@ modulation Linears.
 
 Its attention is FLUX.1's `FluxAttention` with the stock `FluxAttnProcessor` (heads split by `head_dim`), its
 feed-forwards diffusers' `FeedForward`: their plans, and the `fuse_qkv_projections()` rewrite, are FLUX.1's
-(`rewrites/flux1.py`) and diffusers_common's, registered there once. The single block's plan is FLUX.1's too
+(`rewrites/flux.py`) and diffusers_common's, registered there once. The single block's plan is FLUX.1's too
 (`SINGLE_BLOCK_TP_PLAN`, shared in rewrites/diffusers_common.py): same submodule names. The
 `distilled_guidance_layer` (5 residual MLPs of width 5120, 0.28 B parameters, 3% of the model) stays replicated:
 its layers are diffusers' shared `PixArtAlphaTextProjection`, which FLUX.1 also uses (as its pooled-text embedder),
@@ -22,7 +22,7 @@ import torch
 from diffusers.models.transformers.transformer_chroma import ChromaSingleTransformerBlock, ChromaTransformer2DModel
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery_rewrites.flux1 import check_single_block, flux1_single_block_rewrite, rope_axes_like_flux1
+from surgery_rewrites.flux import check_single_block, flux1_single_block_rewrite, rope_axes_like_flux1
 from surgery.extend import Family
 
 REWRITES = (flux1_single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)

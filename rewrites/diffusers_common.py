@@ -13,16 +13,45 @@ head-dim twins of `surgery.core.leaves`.
 
 `surgery.core.split_projection.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
 `SplitProjection` compose it under its path in their own literal plans (`surgery.core.leaves.under`).
+
+The rest is what several family files share beyond plans, kept here so that no family file imports another's
+(except where diffusers' own module imports the other: chroma from flux, hunyuan_video_framepack from
+hunyuan_video): the FLUX-like single block's rewrites and inputs (LongCat-Image, Ovis-Image, Bria, Bria-Fibo,
+Motif-Video), the generic `Attention`'s processors (`GENERIC`), one `cast_inputs`, and the published numbers and
+example inputs of models built alike (Wan's for SkyReels-V2, ChronoEdit, Wan-VACE, Wan-Animate and AnyFlow;
+CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video).
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn as nn
 from diffusers.models.activations import GEGLU, SwiGLU
 from diffusers.models.attention import FeedForward
+from diffusers.models.attention_processor import (
+    AttnProcessor2_0,
+    CogVideoXAttnProcessor2_0,
+    HunyuanAttnProcessor2_0,
+    JointAttnProcessor2_0,
+    LuminaAttnProcessor2_0,
+)
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.extend import Family, SurgeryError, SPLIT_PROJECTION_TP_PLAN, per_head_norm, under
+from surgery.extend import (
+    Family,
+    Leaf,
+    Processors,
+    Rewrite,
+    SPLIT_PROJECTION_TP_PLAN,
+    SurgeryError,
+    columns,
+    per_head_norm,
+    swap_rewrite,
+    under,
+)
 
 # QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
 HEAD_NORM = per_head_norm(2)
@@ -79,6 +108,211 @@ def _check_feed_forward(module: nn.Module, path: str, world: int) -> None:
             f"surgery.tensor_parallel: '{path}.net.0' is a {type(activation).__name__}, whose `proj` fuses gate and up "
             "rows; column sharding would cut across them. Its model family needs a rewrite that splits them first."
         )
+
+
+
+# --- the FLUX-like single block (LongCat-Image, Ovis-Image, Bria, Bria-Fibo, Motif-Video) ---------------------------
+
+# The single block's proj_out reads cat([attention output, MLP hidden]): its first columns are the attention's.
+PROJ_OUT = columns("proj_out", lambda block: block.attn.inner_dim)
+
+
+def flux_like_rewrites(
+    prefix: str,
+    single_block: type[nn.Module],
+    attention: type[nn.Module],
+    processors: Processors,
+    single_attention: Processors | None = None,
+    leaves: tuple[Leaf, ...] = (),
+    children: dict | None = None,
+    unfused_single_block: type[nn.Module] | None = None,
+) -> tuple[Rewrite, ...]:
+    """A FLUX-like family's rewrites: the single block's `proj_out` (and any other `leaves`) swapped, its `attn`'s
+    processor (`single_attention`, default `processors`) swapped for the head-dim twin, and the double blocks'
+    `attention` modules' processors likewise."""
+    single_attention = single_attention or processors
+    return (
+        swap_rewrite(f"{prefix}.single_block", single_block, leaves=(*leaves, PROJ_OUT),
+                     children={"attn": single_attention, **(children or {})}, unfused_class=unfused_single_block),
+        swap_rewrite(f"{prefix}.attention", attention, processors=processors),
+    )
+
+
+def flux_like_inputs(
+    config: dict,
+    batch: int = 1,
+    image_tokens: int = 16,
+    text_tokens: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    **defaults,
+) -> dict:
+    """Seeded FLUX.1-style keyword arguments (packed latents, text states, timestep in [0, 1), position ids of
+    3 axes) for a model at `config`, with `defaults` for sizes the config leaves out."""
+    config = dict(defaults, **config)
+    generator = torch.Generator().manual_seed(seed)
+    axes = len(config["axes_dims_rope"])
+    inputs = dict(
+        hidden_states=torch.randn(batch, image_tokens, config["in_channels"], generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config["joint_attention_dim"], generator=generator),
+        timestep=torch.rand(batch, generator=generator),
+        img_ids=torch.randint(0, 64, (image_tokens, axes), generator=generator),
+        txt_ids=torch.randint(0, 64, (text_tokens, axes), generator=generator),
+    )
+    floating = {"hidden_states", "encoder_hidden_states", "timestep"}
+    return {k: v.to(device=device, dtype=dtype if k in floating else v.dtype) for k, v in inputs.items()}
+
+
+def balanced_rope_axes(head_dim: int, axes: int = 3) -> tuple[int, ...]:
+    """Even rotary sizes summing to `head_dim`, the larger ones last (as in the published (16, 56, 56))."""
+    if head_dim % 2 or head_dim < 2 * axes:
+        raise SurgeryError(f"head_dim {head_dim} cannot be split into {axes} rotary axes of even size")
+    pairs = head_dim // 2
+    return tuple(2 * (pairs // axes + (i >= axes - pairs % axes)) for i in range(axes))
+
+
+def reduced(config: dict, layers: int = 2, single_layers: int = 4, head_dim: int = 32) -> dict:
+    """A published config at demo size: same head count; fewer blocks, smaller heads, narrow text states."""
+    return dict(config, num_layers=layers, num_single_layers=single_layers, attention_head_dim=head_dim,
+                axes_dims_rope=balanced_rope_axes(head_dim), joint_attention_dim=64, pooled_projection_dim=64)
+
+
+# --- example inputs and published numbers several families share ---------------------------------------------------
+
+def video_grid(tokens: int) -> tuple[int, int, int]:
+    """(frames, height, width) in latent patches with frames * height * width == tokens: two frames or more where
+    the count allows (so the token-replace path has frames after the first), the rest as square as possible."""
+    frames = 4 if tokens % 4 == 0 and tokens >= 64 else 2 if tokens % 2 == 0 else 1
+    per_frame = tokens // frames
+    height = max(d for d in range(1, math.isqrt(per_frame) + 1) if per_frame % d == 0)
+    return frames, height, per_frame // height
+
+
+def wan_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `WanTransformer3DModel.forward`: a video latent of `image_tokens` patches; for an
+    image-to-video config (`image_dim`), 16 image-embedding tokens (the published models take CLIP's 257; with very
+    few, the image cross-attention's key gradients are differences of near-equal terms, whose fp32 rounding decides
+    them), and the text padded to the 512 tokens its cross attention expects (the image tokens are what precedes the
+    last 512)."""
+    generator = torch.Generator().manual_seed(seed)
+    frames, height, width = video_grid(image_tokens)
+    p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
+    text = 512 if config.get("image_dim") else text_tokens
+    inputs = dict(
+        hidden_states=torch.randn(batch, config.get("in_channels", 16), frames * p_t, height * p_h, width * p_w,
+                                  generator=generator),
+        timestep=torch.rand(batch, generator=generator) * 1000,
+        encoder_hidden_states=torch.randn(batch, text, config.get("text_dim", 4096), generator=generator),
+    )
+    if config.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = torch.randn(batch, 16, config["image_dim"], generator=generator)
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs.items()}
+
+
+# Wan's published numbers, which the models built like it share
+WAN = dict(attention_head_dim=128, cross_attn_norm=True, eps=1e-06, freq_dim=256, out_channels=16,
+           patch_size=(1, 2, 2), qk_norm="rms_norm_across_heads", text_dim=4096)
+WAN_TINY = dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
+                freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+
+def cast_inputs(inputs: dict, dtype: torch.dtype, device) -> dict:
+    """`inputs` on `device`, their floating tensors in `dtype` (anything else as it is)."""
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) if isinstance(v, torch.Tensor)
+            else v for k, v in inputs.items()}
+
+
+def sana_conditions(config: dict, batch: int, text_tokens: int, generator: torch.Generator) -> dict:
+    """Caption features with their mask (the last two tokens padding: the cross attention's mask path runs), a
+    timestep, and for a guidance-distilled config (Sana-Sprint) the guidance scale."""
+    mask = torch.ones(batch, text_tokens, dtype=torch.long)
+    mask[:, -2:] = 0
+    inputs = dict(
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("caption_channels", 2304),
+                                          generator=generator),
+        encoder_attention_mask=mask,
+        timestep=torch.rand(batch, generator=generator) * 1000,
+    )
+    if config.get("guidance_embeds"):
+        inputs["guidance"] = torch.rand(batch, generator=generator) * 5
+    return inputs
+
+
+CONV_FEED_FORWARD = ("a Conv2d feed-forward (1x1 up, depthwise 3x3, GLU, 1x1 down): stock Colwise/RowwiseParallel "
+                     "shard Linears only and DTensor's convolution never shards channels, so every rank holds it whole")
+
+
+def text_with_mask(generator: torch.Generator, batch: int, tokens: int,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text embeddings and their boolean mask (the pipelines' tokenizer mask), the last two tokens of the second sample
+    padding (the mask path runs)."""
+    mask = torch.ones(batch, tokens, dtype=torch.bool)
+    if batch > 1 and tokens > 2:
+        mask[1, -2:] = False
+    return torch.randn(batch, tokens, width, generator=generator), mask
+
+
+LTX2 = dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+            attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20,
+            base_height=2048, base_width=2048, audio_in_channels=128, audio_out_channels=128, audio_patch_size=1,
+            audio_patch_size_t=1, audio_num_attention_heads=32, audio_attention_head_dim=64,
+            audio_cross_attention_dim=2048, audio_scale_factor=4, audio_pos_embed_max_pos=20,
+            audio_sampling_rate=16000, audio_hop_length=160, num_layers=48, activation_fn="gelu-approximate",
+            qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
+            attention_bias=True, attention_out_bias=True, rope_theta=10000.0, rope_double_precision=True,
+            causal_offset=1, timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000,
+            rope_type="split")
+
+
+# audio_cross_attention_dim is the audio attention's width (a2v keys, the cross-modal rotary tables); 4 heads each,
+# so the tiny models split at world 2 and 4
+LTX2_TINY = dict(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
+                 audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=4, audio_attention_head_dim=8,
+                 audio_cross_attention_dim=32, num_layers=2, caption_channels=16, rope_type="split")
+
+
+# The configs the suite shards in fp32: one block, heads of 16, no attention biases. The seeded biases (about 1 each)
+# dominate q and k, whose norm across heads then cancels most of them, and heads of 4 or 8 average little: the q/k
+# gradients moved by up to 1.1e-5 under a mere change of summation order (measured at world 2); so configured, at
+# most 3.3e-6 over the seeds tried. The biased two-block configs shard in float64 (tests/families/test_ltx.py).
+LTX2_WIDE = dict(attention_head_dim=16, cross_attention_dim=64, audio_attention_head_dim=16,
+                 audio_cross_attention_dim=64)
+
+
+def cogvideox_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
+    """Seeded keyword arguments for `CogVideoXTransformer3DModel.forward`: a latent video of `image_tokens` patches
+    (frames of 2 x 2; a config with a learned positional embedding, which takes only its published grid, gets that
+    grid), text of `text_embed_dim`, a timestep, and for a RoPE config (`use_rotary_positional_embeddings`) the 3D
+    rotary cos/sin of its grid, as the pipeline computes them (one per token, head_dim wide)."""
+    generator = torch.Generator().manual_seed(seed)
+    p = config.get("patch_size", 2)
+    if config.get("use_learned_positional_embeddings"):
+        frames = (config.get("sample_frames", 49) - 1) // config.get("temporal_compression_ratio", 4) + 1
+        rows, cols = config.get("sample_height", 60) // p, config.get("sample_width", 90) // p
+    else:
+        rows = cols = 2
+        frames = max(1, image_tokens // (rows * cols))
+    inputs = dict(
+        hidden_states=torch.randn(batch, frames, config.get("in_channels", 16), rows * p, cols * p,
+                                  generator=generator),
+        encoder_hidden_states=torch.randn(batch, text_tokens, config.get("text_embed_dim", 4096), generator=generator),
+        timestep=(torch.rand(batch, generator=generator) * 1000).long(),
+    )
+    inputs = cast_inputs(inputs, dtype, device)
+    if config.get("use_rotary_positional_embeddings"):
+        cos, sin = get_3d_rotary_pos_embed(config.get("attention_head_dim", 64), ((0, 0), (rows, cols)), (rows, cols),
+                                           frames)
+        inputs["image_rotary_emb"] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+    return inputs
+
+
+# diffusers' generic `Attention` lists no processors (each model sets its own); one rewrite of it for every family
+# that passes these
+GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0, HunyuanAttnProcessor2_0,
+           LuminaAttnProcessor2_0)
 
 
 FAMILY = Family(

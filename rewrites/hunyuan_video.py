@@ -15,13 +15,11 @@ Why the processors: every HunyuanVideo attention processor reshapes by the globa
 (`unflatten(2, (attn.heads, -1))` in `HunyuanVideoAttnProcessor2_0`; `view(batch, -1, attn.heads, head_dim)` and a
 mask repeated `attn.heads` times in the refiner's `AttnProcessor2_0`). On a rank that holds a column shard of q/k/v
 those split each head into pieces, so stock tensor parallelism would run and be wrong. Their twins
-(`surgery.core.leaves.head_dim_twin`) are the stock source with the edits registered in `surgery.core.leaves.EDITS`: heads split
+(`surgery.core.leaves.head_dim_twin`) are the stock source with the processor rule's edits (`rule_edits`): heads split
 by `head_dim`, and the refiner's per-sample mask broadcast over however many heads a rank holds.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
@@ -37,6 +35,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 
 from surgery.extend import Processors, SurgeryError, columns, derived_family, swap_rewrite
+from surgery_rewrites.diffusers_common import video_grid
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
 REFINER_PROCESSORS = Processors((AttnProcessor2_0,))
@@ -81,15 +80,6 @@ VARIANTS = {
     # HunyuanVideo-I2V, first revision: image latents and a mask channel concatenated to the noise (16 * 2 + 1)
     "i2v-33ch": dict(_T2V, in_channels=33, guidance_embeds=False, image_condition_type="latent_concat"),
 }
-
-
-def video_grid(tokens: int) -> tuple[int, int, int]:
-    """(frames, height, width) in latent patches with frames * height * width == tokens: two frames or more where
-    the count allows (so the token-replace path has frames after the first), the rest as square as possible."""
-    frames = 4 if tokens % 4 == 0 and tokens >= 64 else 2 if tokens % 2 == 0 else 1
-    per_frame = tokens // frames
-    height = max(d for d in range(1, math.isqrt(per_frame) + 1) if per_frame % d == 0)
-    return frames, height, per_frame // height
 
 
 def example_inputs(

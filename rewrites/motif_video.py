@@ -34,8 +34,13 @@ from diffusers.models.transformers.transformer_motif_video import (
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
-from surgery_rewrites.longcat_image import balanced_rope_axes, flux_like_rewrites
+from surgery_rewrites.diffusers_common import (
+    ATTENTION_TP_PLAN,
+    DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    HEAD_NORM,
+    balanced_rope_axes,
+    flux_like_rewrites,
+)
 from surgery.extend import Family, Processors, SPLIT_PROJECTION_TP_PLAN, swap_rewrite, under
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
@@ -131,7 +136,7 @@ def _small(**config) -> dict:
 
 
 # The first config is what the conformance suite shards (world 2 and 4): heads and MLP width divide by 4. Single-block
-# cross-attention is sharded in tests/test_family_motif_video.py instead: the suite counts all-reduces only, and the
+# cross-attention is sharded in tests/families/test_motif_video.py instead: the suite counts all-reduces only, and the
 # fp32 gradients of that cross-attention's key bias (small, behind a QK-norm) sit near the suite's 1e-5 bound.
 TEST_CONFIGS = {
     "tp_wide": _small(num_layers=1, num_single_layers=2, num_attention_heads=4, attention_head_dim=8,

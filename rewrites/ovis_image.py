@@ -30,8 +30,13 @@ from diffusers.models.transformers.transformer_ovis_image import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
-from surgery_rewrites.longcat_image import flux_like_inputs, flux_like_rewrites, reduced
+from surgery_rewrites.diffusers_common import (
+    DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    HEAD_NORM,
+    flux_like_inputs,
+    flux_like_rewrites,
+    reduced,
+)
 from surgery.extend import (
     Family, Processors, Rewrite, SPLIT_PROJECTION_TP_PLAN, recast, register_edits, row_slices, rows, twin, under,
 )

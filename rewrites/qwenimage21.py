@@ -3,7 +3,7 @@
 Its single-stream blocks hold separate, bias-free q/k/v and output projections (`QwenImage21Attention`) and a SwiGLU
 feed-forward with separate gate and up projections (`QwenImage21SwiGLUFeedForward`). Both processors split heads by
 `head_dim`, so they run unchanged on each rank's share of the heads. The plans are derived
-(`surgery.extend.derived_family`) and equal diffusers' own `_tp_plan` for this class (tests/test_derive.py), plus
+(`surgery.extend.derived_family`) and equal diffusers' own `_tp_plan` for this class (tests/parallel/test_derive.py), plus
 the QK-norms as per-head norms; same collectives: two all-reduces per block.
 """
 

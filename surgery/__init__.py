@@ -8,7 +8,7 @@
 The public API is this module's `__all__` (the verbs) and three modules: `surgery.lora` (adapters),
 `surgery.state_dict` (state dicts and checkpoints between layouts) and `surgery.extend` (what a model family imports).
 
-The engine's layers, each importing only those before it (`tests/test_layers.py` checks every import):
+The engine's layers, each importing only those before it (`tests/core/test_layers.py` checks every import):
 `surgery.core` (the rewrite), `surgery.parallel` (TP, CP, pipelines), `surgery.io` (checkpoints),
 `surgery.integration` (diffusers' features, LoRA), `surgery.extend`, the built-in families (`surgery_rewrites`), this
 module, `surgery.testing`, `surgery.sight` (tables, diagrams) and `surgery.app` (the CLI).
@@ -39,6 +39,7 @@ from surgery.io import loading as _loading
 from surgery.io.saving import save_pretrained
 from surgery.parallel import pipeline as _pipeline
 from surgery.parallel.context_parallel import context_parallel
+from surgery.parallel.decode import decode_parallel
 from surgery.parallel.tensor_parallel import tensor_parallel
 from surgery import extend, lora, state_dict  # noqa: F401  (the public modules)
 import surgery_rewrites  # noqa: F401,E402  (registers the built-in families; the engine never imports them)
@@ -51,6 +52,7 @@ __all__ = [
     "save_pretrained",
     "context_parallel",
     "tensor_parallel_pipeline",
+    "decode_parallel",
     "SurgeryError",
 ]
 

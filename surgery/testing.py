@@ -46,7 +46,7 @@ __all__ = [
 # conformance suite's sharded case of each of the 37 families at world 2 and 4): outputs 1.5e-7 to 7.9e-7; gradients
 # (inputs and parameters, each on its module's scale) up to 6.6e-6, and 1.1e-5 for ChronoEdit's image
 # cross-attention (the weight gradients of its q/k norms across heads, sums of products over a few image tokens; the
-# same sharded math in float64 matches to 1e-15, tests/test_derived_ltx.py). Each bound is about 3x the largest
+# same sharded math in float64 matches to 1e-15, tests/families/test_ltx.py). Each bound is about 3x the largest
 # measurement; a real drift (a wrong slice, a missing bias, a statistic not all-reduced) moves these by 1e-2 and more.
 FP32_TOL = 2e-6
 FP32_GRAD_TOL = 3e-5

@@ -19,13 +19,30 @@ from surgery.parallel.pipeline import pipeline_plan, pipeline_plan_text
 from surgery.parallel.plans import block_path, checked_plan, effective_plan, plan_source, style_source, wildcard_path
 from surgery.sight import diagram, forms, render, report, svg
 from surgery.sight import explore as explorer  # its functions looked up on call: tests stand in for the server
+from surgery_cli import listing
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _between(low: int, high: int, what: str):
+    """An argparse type: a whole number from `low` to `high`; the bound keeps a hostile number (a 23-digit --tp) from
+    reaching torch, which would allocate for it or fail deep inside."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high} ({what}), got {value}")
+        return value
+
+    return parse
+
+
+_ranks = _between(1, 2**16, "ranks of a mesh")
+_tokens = _between(1, 2**24, "tokens per sample")
+_size = _between(1, 2**16, "a model dimension")
 
 
 def _port(text: str) -> int:
@@ -102,14 +119,14 @@ def _demo_command(commands, epilog: str) -> None:
     )
     demo.add_argument("--model", type=_model, default="flux2-klein-4b", metavar="MODEL",
                       help="model to take the shape of (default flux2-klein-4b; any name listed below)")
-    demo.add_argument("--tp", type=_positive, default=2, help="CPU processes to shard over (default 2)")
-    demo.add_argument("--layers", type=_positive, help="double-stream blocks (family default: 2)")
-    demo.add_argument("--single-layers", type=_positive, help="single-stream blocks (family default: 4)")
-    demo.add_argument("--head-dim", type=_positive, help="head size (family default: 32)")
-    demo.add_argument("--image-tokens", type=_positive, default=64)
-    demo.add_argument("--text-tokens", type=_positive, default=32)
+    demo.add_argument("--tp", type=_ranks, default=2, help="CPU processes to shard over (default 2)")
+    demo.add_argument("--layers", type=_between(1, 64, "blocks of a demo model"), help="double-stream blocks (family default: 2)")
+    demo.add_argument("--single-layers", type=_between(1, 64, "blocks of a demo model"), help="single-stream blocks (family default: 4)")
+    demo.add_argument("--head-dim", type=_between(1, 1024, "a demo head size"), help="head size (family default: 32)")
+    demo.add_argument("--image-tokens", type=_between(1, 2**14, "tokens of a demo forward"), default=64)
+    demo.add_argument("--text-tokens", type=_between(1, 2**14, "tokens of a demo forward"), default=32)
     demo.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_between(0, 2**63 - 1, "torch.manual_seed's range"), default=0)
 
 
 def _plan_command(commands, epilog: str) -> None:
@@ -122,12 +139,12 @@ def _plan_command(commands, epilog: str) -> None:
         "the bytes per rank, and the collectives of one forward. With --show-plan, prints the plan itself instead.",
     )
     _model_arguments(plan)
-    plan.add_argument("--tp", type=_positive, help="tensor-parallel size (required, except with --show-plan)")
-    plan.add_argument("--cp", type=_positive, default=1, help="context-parallel (Ulysses) size (default 1)")
-    plan.add_argument("--dp", type=_positive, default=1, help="FSDP2 data-parallel size (default 1)")
+    plan.add_argument("--tp", type=_ranks, help="tensor-parallel size (required, except with --show-plan)")
+    plan.add_argument("--cp", type=_ranks, default=1, help="context-parallel (Ulysses) size (default 1)")
+    plan.add_argument("--dp", type=_ranks, default=1, help="FSDP2 data-parallel size (default 1)")
     plan.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    plan.add_argument("--image-tokens", type=_positive, default=4096, help="default 4096 (a 1024x1024 image)")
-    plan.add_argument("--text-tokens", type=_positive, default=512)
+    plan.add_argument("--image-tokens", type=_tokens, default=4096, help="default 4096 (a 1024x1024 image)")
+    plan.add_argument("--text-tokens", type=_tokens, default=512)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--pipeline", action="store_true",
                       help="every component of the published pipeline (transformer, text encoders, VAE): bytes per "
@@ -153,11 +170,11 @@ def _inspect_command(commands, epilog: str) -> None:
     inspect_parser.add_argument("--all", action="store_true", help="one row per block instead of one per block kind")
     inspect_parser.add_argument("--svg", metavar="OUT.svg",
                          help="also draw one block's graph, fused -> unfused (-> one rank's with --tp), with Graphviz")
-    inspect_parser.add_argument("--tp", type=_positive, help="with --svg: add rank 0's local graph at this TP size")
+    inspect_parser.add_argument("--tp", type=_ranks, help="with --svg: add rank 0's local graph at this TP size")
     inspect_parser.add_argument("--module", help="with --svg: the module to draw (default: the fused one with most slices)")
     inspect_parser.add_argument("--panels", choices=["all", "fused", "unfused", "rank"], default="all",
                          help="with --svg: draw every form one above the other (default), or only one of them")
-    inspect_parser.add_argument("--width", type=_positive, default=1000, metavar="PX",
+    inspect_parser.add_argument("--width", type=_between(1, 2**16, "pixels"), default=1000, metavar="PX",
                          help="with --svg: the page width to fit, in CSS px (default 1000, a notebook cell; a "
                          "README on a repository page gets about 880)")
 
@@ -172,7 +189,7 @@ def _explore_command(commands, epilog: str) -> None:
         "--out, and serves them on --host:--port. Needs the optional extra: pip install ai-edge-model-explorer.",
     )
     _model_arguments(explore)
-    explore.add_argument("--tp", type=_positive, help="add rank 0's local graph at this TP size")
+    explore.add_argument("--tp", type=_ranks, help="add rank 0's local graph at this TP size")
     explore.add_argument("--module", help="the module to trace (default: the fused one with most slices)")
     explore.add_argument("--out", default="model_explorer", help="folder for the graph and overlay files")
     explore.add_argument("--host", default="127.0.0.1",
@@ -203,14 +220,18 @@ def _convert_command(commands, epilog: str) -> None:
 
 def _families_command(commands) -> None:
     """`surgery families`: every diffusers transformer class, sharded or refused."""
-    listing = commands.add_parser(
+    command = commands.add_parser(
         "families", formatter_class=_Formatter,
-        help="every diffusers transformer class: sharded (all-reduces per forward) or refused (the reason)",
-        description="Builds each class of diffusers.models.transformers on meta (its family's default published "
-        "config, else the class's defaults), unfuses it and plans it for 2 ranks as tensor_parallel does; prints "
-        "one row per class (docs/families.md is this table). Takes about a minute.",
+        help="every diffusers transformer class: sharded (all-reduces per forward, errors) or refused (the reason)",
+        description="Prints what the conformance suite last proved (surgery/app/families.json; docs/families.md is "
+        "this table): one row per class of diffusers.models.transformers, sharded (all-reduces per forward, the "
+        "largest error at world 2 and 4) or refused (the reason). Builds nothing.",
     )
-    listing.add_argument("--world", type=_positive, default=2, help="ranks to plan for (default 2)")
+    command.add_argument("--rebuild", action="store_true",
+                         help="plan every installed class anew instead: each built on meta (its family's default "
+                         "published config, else the class's defaults), unfused and planned as tensor_parallel plans "
+                         "it (minutes; no errors: those come from the conformance suite)")
+    command.add_argument("--world", type=_ranks, default=2, help="ranks to plan for with --rebuild (default 2)")
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                  if given]
         if extra:
             parser.error(f"--quant plans the transformer over TP alone: drop {', '.join(extra)}")
+    elif args.command == "families" and args.world != 2 and not args.rebuild:
+        parser.error("the proof is at world 2 (and 4): add --rebuild to plan for --world")
     elif args.command == "plan" and args.tp is None:
         parser.error("the following arguments are required: --tp")
     try:
@@ -278,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(parser, args)
         if args.command == "families":
-            print(coverage.table([coverage.class_status(cls, args.world) for cls in coverage.transformer_classes()]))
+            print(coverage.rebuilt_table(args.world) if args.rebuild else listing())
             return 0
         if args.command == "convert":
             written = convert_checkpoint(args.src, args.dst, to=args.to, overwrite=args.overwrite,
@@ -287,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except (SurgeryError, OSError) as error:  # OSError: anything the checks could not foresee (a disk gone)
         parser.exit(1, f"surgery {args.command}: {' '.join(str(error).split())}\n")
+    except Exception as error:  # noqa: BLE001 - a command line never ends in a traceback; this one is a bug to report
+        text = " ".join(str(error).split())[:300]
+        parser.exit(1, f"surgery {args.command}: unexpected {type(error).__name__}: {text} (a bug in surgery: please "
+                       "report it with this command line)\n")
     except KeyboardInterrupt:
         if args.command != "convert":
             raise

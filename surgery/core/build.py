@@ -61,6 +61,10 @@ def keep_in_fp32(model: nn.Module) -> nn.Module:
     return model
 
 
+MOST_LAYERS = 1024
+MOST_WIDTH = 2**20
+
+
 def check_config(family: Family, config: dict) -> None:
     """Unknown arguments and non-positive sizes in a config, named before the model class sees them."""
     cls = model_class(family)
@@ -72,10 +76,15 @@ def check_config(family: Family, config: dict) -> None:
             f"{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}: is this config of another model?"
         )
     for key, value in config.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1 and (
-            key.startswith("num_") or key.endswith(("_dim", "_heads", "channels"))
-        ):
+        if not isinstance(value, int) or isinstance(value, bool) or not (
+                key.startswith("num_") or key.endswith(("_dim", "_heads", "channels"))):
+            continue
+        if value < 1:
             raise SurgeryError(f"{family.name}: config {key}={value}; it must be at least 1.")
+        # beyond any published model by far (60 layers, widths of 1e5), and a building loop that would not end
+        most = MOST_LAYERS if key.endswith(("layers", "blocks")) else MOST_WIDTH
+        if value > most:
+            raise SurgeryError(f"{family.name}: config {key}={value}; the most a model is built with here is {most}.")
 
 
 def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

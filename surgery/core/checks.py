@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from surgery.core.errors import SurgeryError
 from surgery.core.prequantized import prequantized_model
+from surgery.core.split_projection import pack_for_inference
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -26,14 +27,15 @@ _STATE_DICT_HOOKS = (
 
 
 # The load_state_dict pre-hook `surgery.integration.diffusers_hooks` gives each unfused module (it reads either layout): surgery's
-# own, removed and reinstalled by the verbs themselves, so never a reason to refuse.
+# own, removed and reinstalled by the verbs themselves, so never a reason to refuse; nor is the forward pre-hook that
+# packs the leaves for inference (`surgery.core.split_projection.pack_for_inference`), which `fuse` removes.
 SURGERY_LOAD_HOOK = "_surgery_load_state_dict_hook"
 
 
 def _foreign_hooks(module: nn.Module, name: str) -> list:
     hooks = getattr(module, name, None) or {}
     own = getattr(module, SURGERY_LOAD_HOOK, None) if name == "_load_state_dict_pre_hooks" else None
-    return [key for key in hooks if own is None or key != own.id]
+    return [key for key, hook in hooks.items() if (own is None or key != own.id) and hook is not pack_for_inference]
 
 
 def _hook_kinds(module: nn.Module, torch_hooks: bool) -> list[str]:
@@ -114,7 +116,8 @@ def check_replaced_parameter(param: torch.Tensor, name: str, verb: str, also_at:
 
 
 def check_inference_tensor(param: torch.Tensor, name: str, verb: str) -> None:
-    if param.is_inference():
+    # inside inference_mode the new Parameters are inference tensors too, as stock's are when built there
+    if param.is_inference() and not torch.is_inference_mode_enabled():
         raise SurgeryError(
             f"surgery.{verb}: '{name}' is an inference tensor: the model was built or loaded under "
             "torch.inference_mode(), and inference tensors cannot be sliced into new Parameters. Build or load it "

@@ -10,9 +10,9 @@ module keeps its stock class and forward; only what differs is swapped:
 - where a stock attention processor reshapes by the stored head count (`unflatten(-1, (attn.heads, -1))`, wrong on
   a rank that holds `heads / N` of them), the processor is swapped, through diffusers' own extension point
   (`set_processor`), for its head-dim twin: the stock processor's own source with `(attn.heads, -1)` read as
-  `(-1, head_dim)` (one rule, found by inspecting the processor: `rule_edits`), or with the edits listed in `EDITS`
-  where the rule does not cover it, compiled against the stock module's globals. No processor code is copied here;
-  `tests/test_drift.py` checks each edit still finds its text in the installed diffusers source.
+  `(-1, head_dim)` (one rule, found by inspecting the processor: `rule_edits`), or, where the rule does not cover
+  it, with the edits its family registers (`register_edits`), compiled against the stock module's globals. No processor code is copied here;
+  `tests/core/test_drift.py` checks each edit still finds its text in the installed diffusers source.
 
 `swap_rewrite` builds the `Rewrite` for one stock class: the same class in both forms, told apart by their leaves
 (or processors). Its builders `recast` the module: a new instance of the same class sharing every child but the
@@ -186,12 +186,11 @@ def by_local_width(source: str) -> tuple[tuple[str, str, int], ...] | None:
     return None
 
 
-# Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method. The stock text
-# must occur exactly `occurrences` times, or the twin is not built (and tests/test_drift.py fails): a diffusers
-# release that changes the original is noticed, not silently copied around. Families add theirs with
-# `register_edits` (a block forward that splits by global widths).
-EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {
-}
+# Edits the rule does not cover: `(stock text, replacement, occurrences)`, keyed by the stock method; empty here (the
+# engine names no family), filled by the families' `register_edits` as `import surgery` loads them. The stock text
+# must occur exactly `occurrences` times, or the twin is not built (and tests/core/test_drift.py fails): a diffusers
+# release that changes the original is noticed, not silently copied around.
+EDITS: dict[str, tuple[tuple[str, str, int], ...]] = {}
 
 
 def register_edits(stock: type, method: str, edits: tuple[tuple[str, str, int], ...]) -> None:
@@ -302,7 +301,12 @@ def head_dim_twin(stock: type) -> type:
 
 def runs_twin(module: nn.Module) -> bool:
     """Whether `module` runs a twin processor made here (heads split by `head_dim`: it can run column-sharded)."""
-    return type(getattr(module, "processor", None)) in _stocks
+    return is_twin(getattr(module, "processor", None))
+
+
+def is_twin(processor) -> bool:
+    """Whether `processor` is a twin made here (heads split by `head_dim`)."""
+    return type(processor) in _stocks
 
 
 def translate(processor, unfusing: bool):

@@ -50,6 +50,15 @@ def type_name(ggml_type: int) -> str:
     return _gguf()[0].GGMLQuantizationType(ggml_type).name
 
 
+def dequantizable(ggml_type: int) -> bool:
+    """Whether diffusers' GGUF support dequantizes `ggml_type` (F32 and F16 load as plain tensors)."""
+    return ggml_type in _gguf()[1].SUPPORTED_GGUF_QUANT_TYPES
+
+
+def dequantizable_names() -> list[str]:
+    return ["F32", "F16"] + [t.name for t in _gguf()[1].SUPPORTED_GGUF_QUANT_TYPES]
+
+
 def _dequantize(qdata: torch.Tensor, ggml_type: int, dtype: torch.dtype) -> torch.Tensor:
     """diffusers' own dequantization of GGUF bytes (`rows x bytes`), cast to `dtype` as `GGUFLinear` does."""
     utils = _gguf()[1]

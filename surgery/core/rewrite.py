@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from surgery.core import heads_padding
 from surgery.core.errors import SurgeryError
 from surgery.core.prequantized import GGUFWeight, adopt_prequantized, check_columns, restore_adopted, sliceable
 from surgery.core.checks import (
@@ -32,7 +33,7 @@ from surgery.core.checks import (
     wrapper_error,
     wrapper_kind,
 )
-from surgery.core.split_projection import pack_all, unpack_all
+from surgery.core.split_projection import pack_all, track_leaves, unpack_all
 from surgery.core.registry import Rewrite
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 from surgery.core.walk import find_modules
@@ -86,11 +87,15 @@ def fuse(model: nn.Module, optimizer: Optimizers = None) -> nn.Module:
     Rows that are still adjacent views of one storage are joined without a copy; gradients and the state of the
     optimizer(s) passed are joined the same way. A never-unfused model is unchanged.
     """
+    padded = [(block, list(paddings)) for _, block, paddings in heads_padding.padded_blocks(model)]
+    heads_padding.unpad(model)  # zero heads (tensor_parallel(..., pad_heads=True)) go first: the stock model has none
     with _collection_paused():
         try:
             return _rewrite(model, unfusing=False, optimizers=_optimizers(optimizer))
         except BaseException:
             pack_all(model)  # a refused or rolled-back fuse leaves the model as it was, packed leaves too
+            for block, paddings in padded:
+                heads_padding.pad(block, paddings)
             raise
 
 
@@ -132,12 +137,6 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
         return model
     check_model(model, verb)
     check_wrappers(model, verb)
-    if torch.is_inference_mode_enabled() and any(not p.is_meta for _, m, _ in found for p in m.parameters()):
-        raise SurgeryError(
-            f"surgery.{verb}: called inside torch.inference_mode(), where the new parameters would be inference "
-            "tensors that no later backward or optimizer step can use. Call it outside inference_mode (torch.no_grad() "
-            "is enough), then run inference as before."
-        )
     if not unfusing:  # the leaves' packed views go with them (and would count as holders of their parameters)
         unpack_all(model)
     slots_of = _names_by_parameter(model)
@@ -183,6 +182,7 @@ def _rewrite(model: nn.Module, unfusing: bool, optimizers: tuple[torch.optim.Opt
     object.__setattr__(root, _REPORT_ATTR, records)
     if unfusing:
         pack_all(root)
+    track_leaves(root)
     return root
 
 

@@ -5,7 +5,8 @@ blocks of FLUX.1, Chroma, HunyuanVideo, ...; FLUX.2's `to_out`): split by column
 `attn_part(attention output) + mlp_part(MLP hidden)` (the bias, whole, on `attn_part`). It still takes the
 concatenation and cuts it by the ratio of its parts' widths, `attn_in / (attn_in + mlp_in)` of `x.shape[-1]`: true on
 the whole model and on every rank of a column-sharded one (each rank holds the same fraction of both), so the stock
-forward runs unchanged. Both parts shard rowwise, leave partial sums, and one all-reduce resolves their sum.
+forward runs unchanged. Both parts shard rowwise, leave partial sums, and one all-reduce resolves their sum. For inference the two parts are
+laid out in one buffer and multiplied at once (below).
 
 `SplitRows` replaces a Linear whose output rows are several projections (q, k, v; SwiGLU gate and up; FLUX.2's
 q, k, v, gate, up): it returns `cat([part(x) for part in parts], -1)`, which is what the fused Linear returns on the
@@ -16,16 +17,22 @@ The children's names are chosen not to collide with the name patterns diffusers'
 every module whose path fully matches `^single_transformer_blocks.*attn` (so no child may end in `attn`), and stock
 LoRA `target_modules` such as `to_q`, `to_k`, `to_v` are matched as suffixes (so no child may be called that).
 
-One GEMM per fused weight. Where a leaf's parts' values lie back to back in one buffer (a `SplitRows`: the fused
-storage its row views share; per rank, each rank's local shards laid out so by `surgery.parallel.tensor_parallel`),
-the leaf holds a `Packed` over that buffer and multiplies by it once: the fused model's GEMM (diffusers' packed GEMM
-per rank), no `cat` of the parts' outputs. The parts stay separate Linears (plans, LoRA, saving, the optimizer see
-them), and the leaf runs their own forwards instead wherever a part does more than a plain matmul: a wrapper or
-another class (PEFT's LoRA layers), a hook other than those its style set when packed (diffusers' hooks: layerwise
-casting, offloading), a replaced parameter, or a gradient to compute. `Packed.holds` looks at the parts on every
-call; it costs a few attribute reads. A `SplitProjection` can run one GEMM the same way when its column parts are
-views of one `[out, in]` storage, but `unfuse` copies them (contiguous parameters: FSDP2 refuses others), so it runs
-its two parts and adds.
+One GEMM per fused weight. Where a leaf's parts' values lie back to back in one buffer, the leaf holds a `Packed`
+over that buffer and multiplies by it once: the fused model's GEMM (diffusers' packed GEMM per rank), no `cat` of
+the parts' outputs. The parts stay separate Linears (plans, LoRA, saving, the optimizer see them), and the leaf runs
+their own forwards instead wherever a part does more than a plain matmul: a wrapper or another class (PEFT's LoRA
+layers), a hook other than those its style set when packed (diffusers' hooks: layerwise casting, offloading), a
+replaced parameter, or a gradient to compute. `Packed.holds` looks at the parts on every call; it costs a few
+attribute reads.
+
+Rows (a `SplitRows`) are packed for good: row parts are contiguous views of the fused storage (per rank, each rank's
+local shards laid out so by `surgery.parallel.tensor_parallel`). Columns (a `SplitProjection`) are packed only for
+inference: in one `[out, in]` buffer each column part is a non-contiguous view, which FSDP2's `fully_shard` refuses
+("does not support non-contiguous parameters yet"). So `unfuse` gives them contiguous copies of their own, and the
+model's forward pre-hook `pack_for_inference` lays them out in one buffer on the first forward run for inference
+(module in eval mode, autograd off), before any compiled block runs; `train()` gives each part its own contiguous
+copy again. A model unfused, sharded and not yet run for inference is what `fully_shard` takes; one that ran
+inference is after `model.train()`.
 """
 
 from __future__ import annotations
@@ -84,6 +91,12 @@ class SplitProjection(nn.Module):
 
     def _apply(self, fn, recurse=True):
         return repacked(self, super()._apply, fn, recurse)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if mode:  # contiguous parts again: what FSDP2 and the optimizers' training take
+            unpack(self)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.__dict__.get(PACKED)
@@ -189,6 +202,8 @@ def split_rows_like(linear: nn.Linear, parts: list[tuple[str, int]]) -> SplitRow
 # --- one GEMM per fused weight -------------------------------------------------------------------------------------
 
 PACKED = "_packed"  # the attribute a leaf keeps its `Packed` under (not a parameter, buffer or child: never saved)
+CALL = "_packed_call"  # ... and what a sharded leaf's packed weight is multiplied with (its parts' style's work)
+LEAVES = "_surgery_leaves"  # the attribute a model keeps its leaves under, for `pack_for_inference`
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -244,6 +259,9 @@ class Packed:
             if not _at(weight, self.weight, w_at) or (bias is not None and not _at(bias, self.bias, b_at)):
                 return False
         return True
+
+    def __deepcopy__(self, memo) -> None:
+        return None  # a copy's parts get values of their own: its leaves are packed again on their first inference
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.call is not None:
@@ -350,6 +368,51 @@ def unpack_all(model: nn.Module) -> None:
     """Drop every leaf's `Packed` in `model` (the leaves then run their parts' own forwards)."""
     for m in model.modules():
         m.__dict__.pop(PACKED, None)
+
+
+def unpack(leaf: nn.Module) -> None:
+    """Drop `leaf`'s `Packed` and give each part it packed that is a non-contiguous view (a `SplitProjection`'s
+    columns) a contiguous copy of its values (the Parameter objects stay)."""
+    packed = leaf.__dict__.pop(PACKED, None)
+    if packed is None:
+        return
+    for weight, _ in packed.params:
+        values = local(weight)
+        if values.is_contiguous():
+            continue
+        if isinstance(weight, DTensor):
+            weight._local_tensor = values.contiguous()
+        else:
+            weight.data = values.contiguous()
+
+
+def track_leaves(model: nn.Module) -> None:
+    """Keep `model`'s leaves where `pack_for_inference` finds them, and run it before each forward of `model` (once
+    registered); neither where `model` holds no leaf."""
+    leaves = [m for m in model.modules() if isinstance(m, (SplitRows, SplitProjection))]
+    hooked = [key for key, hook in model._forward_pre_hooks.items() if hook is pack_for_inference]
+    if not leaves:
+        model.__dict__.pop(LEAVES, None)
+        for key in hooked:
+            del model._forward_pre_hooks[key]
+        return
+    model.__dict__[LEAVES] = leaves
+    if not hooked:
+        model.register_forward_pre_hook(pack_for_inference)
+
+
+@torch.compiler.disable  # moves values: runs before a compiled model's graph, never inside one
+def pack_for_inference(model: nn.Module, args: tuple) -> None:
+    """A forward pre-hook: on a forward run for inference (`model` in eval mode, autograd off), pack every leaf that
+    is not, over a new buffer (the first such forward lays each `SplitProjection`'s columns out: one copy of them; a
+    leaf whose parts are wrapped or hooked stays as it is). Costs a dict lookup per leaf once packed."""
+    if model.training or torch.is_grad_enabled():
+        return
+    for leaf in model.__dict__.get(LEAVES, ()):
+        if leaf.__dict__.get(PACKED) is None and not leaf.training:
+            call = leaf.__dict__.get(CALL)
+            if call is not None or not any(isinstance(p, DTensor) for p in leaf.parameters()):
+                pack(leaf, call=call, copy=True)
 
 
 def repacked(leaf: nn.Module, apply, fn, recurse: bool) -> nn.Module:

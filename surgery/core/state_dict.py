@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import real_slices, trims
 from surgery.core.walk import find_modules
 from surgery.core.slicing import Slice, concat, group_by_fused, take
 
@@ -24,6 +25,12 @@ def weight_slices(model: nn.Module) -> list[Slice]:
             if rewrite.in_checkpoints:
                 slices += [s.prefixed(path) for s in rewrite.slices(module)]
     return slices
+
+
+def checkpoint_slices(model: nn.Module) -> list[Slice]:
+    """`weight_slices` of the checkpoint `model` saves: a model padded with zero heads
+    (`tensor_parallel(..., pad_heads=True)`) at its real heads, the zero ones never written."""
+    return real_slices(weight_slices(model), trims(model))
 
 
 def _missing(state_dict: Mapping[str, torch.Tensor], keys: list[str], layout: str) -> None:

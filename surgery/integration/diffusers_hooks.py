@@ -229,13 +229,13 @@ def _save_lora_adapter(self, save_directory, adapter_name: str = "default", upca
 
     if adapter_name is None:
         adapter_name = get_adapter_name(self)
+    if saving.is_sharded(self):  # every check there, agreed by the ranks: one rank's refusal raises on all at once
+        return save_sharded(self, save_directory, adapter_name, safe_serialization, weight_name, upcast_before_saving)
     if adapter_name not in getattr(self, "peft_config", {}):  # diffusers' own check and message, first
         raise ValueError(f"Adapter name {adapter_name} not found in the model.")
 
     if upcast_before_saving:
         self.to(dtype=torch.float32)
-    if saving.is_sharded(self):
-        return save_sharded(self, save_directory, adapter_name, safe_serialization, weight_name)
     state_dict, config = stock_lora_adapter(self, adapter_name)
     if os.path.isfile(save_directory):
         raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")

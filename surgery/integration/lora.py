@@ -20,7 +20,8 @@ import safetensors.torch
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.core.slicing import Slice, group_by_fused
-from surgery.core.state_dict import weight_slices
+from surgery.core.heads_padding import trims
+from surgery.core.state_dict import checkpoint_slices, weight_slices
 
 _FACTORS = ("lora_A", "lora_B")
 
@@ -226,6 +227,18 @@ def split_adapter_config(config: dict, split: Mapping[str, torch.Tensor], slices
     return {**config, "target_modules": modules, "rank_pattern": ranks, "alpha_pattern": alphas}
 
 
+def _real_heads(state: dict[str, torch.Tensor], trimmed: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """An adapter's factors with the zero heads of a padded model cut off: lora_B's rows of a padded q/k/v, lora_A's
+    columns of a padded output projection (`surgery.core.heads_padding.trims`)."""
+    out = dict(state)
+    for name, (dim, real) in trimmed.items():
+        module, _, leaf = name.rpartition(".")
+        factor = f"{module}.lora_B.{leaf}" if dim == 0 else f"{module}.lora_A.{leaf}"
+        if factor in out:
+            out[factor] = out[factor].narrow(dim, 0, real).contiguous()
+    return out
+
+
 def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") -> tuple[dict[str, torch.Tensor], dict]:
     """The adapter `adapter_name` of an unfused model in the stock model's names, and its `LoraConfig` dict.
 
@@ -242,13 +255,17 @@ def stock_lora_adapter(model: torch.nn.Module, adapter_name: str = "default") ->
     if adapter_name not in getattr(model, "peft_config", {}):
         raise SurgeryError(f"the model has no LoRA adapter named {adapter_name!r}.")
     config = model.peft_config[adapter_name].to_dict()
-    slices = weight_slices(model)
+    slices = checkpoint_slices(model)
     state = get_peft_model_state_dict(model, adapter_name=adapter_name)
     # a tensor-parallel model's factors are DTensors: gather them one factor at a time (every rank calls this, in
     # the same order), never the model
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+    state = _real_heads(state, trims(model))
+    # each layer's scale as loaded (alpha / r): `scaling` also holds the weight `set_adapters` gave the adapter,
+    # which is a setting of the model, not part of the adapter (stock diffusers saves the adapter without it)
     scale = {
-        name: float(layer.scaling[adapter_name])
+        name: layer.lora_alpha[adapter_name] / (math.sqrt(layer.r[adapter_name])
+                                                if layer.use_rslora.get(adapter_name) else layer.r[adapter_name])
         for name, layer in model.named_modules()
         if isinstance(layer, BaseTunerLayer) and adapter_name in getattr(layer, "scaling", {})
     }

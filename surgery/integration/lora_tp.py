@@ -42,14 +42,17 @@ from diffusers.utils import _get_model_file
 from diffusers.utils.peft_utils import get_adapter_name
 from pathlib import Path
 from safetensors import safe_open
+import hashlib
 import json
+from functools import partial
 import os
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import trims
 from surgery.core.optional import need
 from surgery.integration.lora import split_adapter, stock_lora_adapter, write_adapter
 from surgery.io.atomic import staged_folder
-from surgery.parallel.agreement import agree, agree_and_share
+from surgery.parallel.agreement import PIECE, SAMPLE, agree, agree_and_share, sampled_checksum, tensors_identity
 from surgery.parallel.plans import planned_modules
 from surgery.parallel.tensor_parallel import place
 
@@ -164,10 +167,55 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
     if mesh is None:
         raise SurgeryError("surgery.lora.shard_lora: the model is not sharded; call surgery.tensor_parallel(model, mesh) "
                            "first (then add the adapters, then shard_lora).")
-    # every rank first (a rank alone would wait in the first broadcast forever): the handshake names a missing rank
-    for layer, name, style in agree(mesh, "lora.shard_lora", lambda: _adapter_layers(model, styles)):
+    # every rank first (a rank alone would wait in the first broadcast forever): the handshake names a missing rank;
+    # with src_data_rank=None each rank keeps its own factors, so they compare them (a sampled checksum each)
+    weights = partial(_factor_checksums, model) if src_data_rank is None else None
+    for layer, name, style in agree(mesh, "lora.shard_lora", lambda: _adapter_layers(model, styles), weights):
         lay_out(layer.lora_A[name], layer.lora_B[name], layer.get_base_layer(), style, mesh, src_data_rank)
+    zero_padded_heads(model)
     return model
+
+
+def _factor_checksums(model: nn.Module, layers: list) -> dict[str, dict]:
+    """A sampled checksum of each factor not yet laid out (plain tensors: each rank's own), by its path."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    factors = {f"{paths[id(layer)]}.{kind}.{name}.weight": getattr(layer, kind)[name].weight
+               for layer, name, _ in layers for kind in ("lora_A", "lora_B")}
+    return {"weights": {key: sampled_checksum(f) for key, f in factors.items() if not isinstance(f, DTensor)}}
+def _padded_factors(model: nn.Module) -> Iterator[tuple[str, int, int, int]]:
+    """`(factor key without the adapter name, dim, real size, padded size)` for each LoRA factor side that meets a
+    zero head (`surgery.core.heads_padding`): lora_B's rows of a padded q/k/v, lora_A's columns of a padded output
+    projection. Keys as PEFT's state dict writes them (`attn.to_q.lora_B.weight`)."""
+    for name, (dim, real) in trims(model).items():
+        module, _, leaf = name.rpartition(".")
+        base = model.get_submodule(module)
+        base = base.get_base_layer() if hasattr(base, "get_base_layer") else base
+        padded = base.out_features if dim == 0 else base.in_features
+        yield f"{module}.{'lora_B' if dim == 0 else 'lora_A'}.{leaf}", dim, real, padded
+
+
+def zero_padded_heads(model: nn.Module) -> None:
+    """Zero every adapter's factors where they meet a zero head, so that the padded heads stay zero: PEFT draws
+    lora_A at random, and lora_A's columns of a padded output projection would read what a padded head's values
+    became through lora_B. With both zero, their gradients are zero too, and training keeps them so."""
+    with torch.no_grad():
+        for key, dim, real, _ in _padded_factors(model):
+            module, _, rest = key.rpartition(".lora_")
+            factors = getattr(model.get_submodule(module), "lora_" + rest.partition(".")[0], {})
+            for linear in factors.values():
+                param = getattr(linear, rest.partition(".")[2], None)
+                if param is not None:
+                    _zero_from(param, dim, real)
+
+
+def _zero_from(param: torch.Tensor, dim: int, start: int) -> None:
+    """Zero `param[start:]` along `dim`, in global indices, on this rank's part of it."""
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    offset = 0
+    if isinstance(param, DTensor) and param.placements[0].is_shard(dim):
+        offset = param.device_mesh.get_local_rank() * local.shape[dim]
+    first = min(max(start - offset, 0), local.shape[dim])
+    local.narrow(dim, first, local.shape[dim] - first).zero_()
 
 
 def _adapter_layers(model: nn.Module, styles: dict) -> list:
@@ -188,6 +236,32 @@ def _adapter_layers(model: nn.Module, styles: dict) -> list:
 
 
 # --- reading only this rank's slices ---------------------------------------------------------------------------------
+
+
+class ZeroPadded:
+    """A `LazyFactor` widened with zeros along `dim` to `size`: a stock adapter's factor on a model padded with zero
+    heads (`zero_padded_heads` says why they must be zero)."""
+
+    def __init__(self, factor: "LazyFactor", dim: int, size: int):
+        self.factor, self.axis, self.dtype = factor, dim, factor.dtype
+        self.shape = torch.Size(size if d == dim else n for d, n in enumerate(factor.shape))
+        self.ndim = len(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def read(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        want = [rows or slice(None), cols or slice(None)]
+        start, stop, _ = want[self.axis].indices(self.shape[self.axis])
+        real = self.factor.shape[self.axis]
+        want[self.axis] = slice(min(start, real), min(stop, real))
+        got = self.factor.read(*want)
+        missing = (stop - start) - got.shape[self.axis]
+        if missing <= 0:
+            return got
+        shape = list(got.shape)
+        shape[self.axis] = missing
+        return torch.cat([got, got.new_zeros(shape)], self.axis)
 
 
 class LazyFactor:
@@ -239,6 +313,10 @@ def lazy_file(path: str) -> tuple[dict[str, LazyFactor], dict]:
     """The tensors of a safetensors file as `LazyFactor`s (nothing read yet), and its `__metadata__`."""
 
     handle = safe_open(path, framework="pt", device="cpu")
+    return _lazy_factors(handle), handle.metadata() or {}
+
+
+def _lazy_factors(handle) -> dict[str, LazyFactor]:
     out = {}
     for key in handle.keys():
         view = handle.get_slice(key)
@@ -249,7 +327,7 @@ def lazy_file(path: str) -> tuple[dict[str, LazyFactor], dict]:
             return s[rows, cols] if cols is not None else s[rows]
 
         out[key] = LazyFactor(read, shape, view.get_dtype(), None, None)
-    return out, handle.metadata() or {}
+    return out
 
 
 def lazy_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, LazyFactor]:
@@ -349,16 +427,17 @@ def pad_lora_weights(model: nn.Module, target_rank: int) -> bool:
 # --- load_lora_adapter on a sharded model ----------------------------------------------------------------------------
 
 
-def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None]:
+def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None, dict[str, str]]:
     """The adapter `source` (a state dict, a safetensors file, a folder or a Hub id in the local cache) as
-    `LazyFactor`s, and diffusers' LoRA metadata (the adapter's `LoraConfig` dict), as diffusers resolves files."""
+    `LazyFactor`s, diffusers' LoRA metadata (the adapter's `LoraConfig` dict), as diffusers resolves files, and what
+    was read for the ranks to compare (`file_identity` by file name, or `tensors_identity` of a state dict)."""
 
     metadata = kwargs.pop("metadata", None)
     names = ("weight_name", "use_safetensors", "local_files_only", "cache_dir", "force_download", "proxies", "token",
              "revision", "subfolder")
     opts = {n: kwargs.pop(n, None) for n in names}
     if isinstance(source, Mapping):
-        return lazy_dict(source), metadata
+        return lazy_dict(source), metadata, {"the adapter's state dict": tensors_identity(source)}
 
     source = str(source)
     weight_name = opts["weight_name"]
@@ -383,7 +462,22 @@ def _open(source, kwargs: dict) -> tuple[dict[str, LazyFactor], dict | None]:
                            "Download it again.") from None
     if metadata is None and LORA_ADAPTER_METADATA_KEY in file_metadata:
         metadata = json.loads(file_metadata[LORA_ADAPTER_METADATA_KEY])
-    return lazy, metadata
+    return lazy, metadata, {os.path.basename(path): _tensors_in_file(path)}
+
+
+def _tensors_in_file(path: str) -> str:
+    """What the ranks compare of an adapter file: its tensors' entries and samples of their bytes (`file_identity`'s
+    pieces). Not the `__metadata__` text: copies of one adapter written by different processes order its lists
+    differently."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        digest = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=8)
+        start, data = 8 + size, os.fstat(f.fileno()).st_size - 8 - size
+        for i in range(SAMPLE):
+            digest.update(os.pread(f.fileno(), PIECE, start + i * max(data - PIECE, 0) // (SAMPLE - 1)))
+    return f"{data} bytes of tensors, digest {digest.hexdigest()}"
 
 
 def _check(model: nn.Module, state: dict[str, LazyFactor], head: str, adapter_name: str, hotswap: bool,
@@ -464,13 +558,20 @@ def load_sharded(model: nn.Module, source, prefix: str | None, hotswap: bool, kw
     head = f"{prefix}." if prefix else ""
 
     def check():
-        state, metadata = _open(source, kwargs)
+        state, metadata, read = _open(source, kwargs)
         alphas = kwargs.pop("network_alphas", None)
         state, metadata, alphas = split_adapter(model, dict(state), prefix, metadata, alphas)
+        for key, dim, real, padded in _padded_factors(model):  # a stock adapter's factors meet zero heads
+            factor = state.get(head + key)
+            if factor is not None and factor.ndim == 2 and factor.shape[dim] == real:
+                state[head + key] = ZeroPadded(factor, dim, padded)
         _check(model, state, head, adapter_name, hotswap, said, source_name)
-        return state, metadata, alphas
+        return state, metadata, alphas, read
 
-    (state, metadata, alphas), names = agree_and_share(mesh, verb, check, lambda _: adapter_name)
+    # ranks that read different adapters (another file, or a file replaced while they read) would each hold a
+    # different adapter: they compare what they read first
+    (state, metadata, alphas, _), names = agree_and_share(mesh, verb, check, lambda _: adapter_name,
+                                                          lambda checked: {"files": checked[3]})
     if len(set(names)) > 1:  # each rank would hold its adapter under another name: later calls by name would part
         odd = next(r for r, n in enumerate(names) if n != names[0])
         raise SurgeryError(f"{said}: rank {odd} loads the adapter as {names[odd]!r}, rank 0 as {names[0]!r}; nothing "
@@ -528,7 +629,7 @@ class _World:
 
 
 def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_serialization: bool,
-                 weight_name: str | None) -> None:
+                 weight_name: str | None, upcast: bool = False) -> None:
     """`save_lora_adapter` on a tensor-parallel model: every rank calls it; the factors are gathered one at a time
     (`surgery.lora.stock_lora_adapter`), rank 0 writes the stock file into a temporary sibling folder swapped into place
     (`surgery.io.atomic.staged_folder`; other files in the folder are kept), and every rank returns once it is written
@@ -550,11 +651,19 @@ def save_sharded(model: nn.Module, save_directory, adapter_name: str, safe_seria
         if target.is_file():
             raise SurgeryError(f"{verb}: '{target}' is a file; pass a folder.")
 
-    folders = agree_and_share(mesh, verb, check, lambda _: os.path.abspath(target))[1]
+    shared = agree_and_share(mesh, verb, check, lambda _: (os.path.abspath(target), adapter_name))[1]
+    folders = [folder for folder, _ in shared]
     if len(set(folders)) > 1:  # rank 0 alone writes: another rank's folder would stay empty, unseen
         odd = next(r for r, f in enumerate(folders) if f != folders[0])
         raise SurgeryError(f"surgery.{verb}: rank {odd} saves into '{folders[odd]}', rank 0 into '{folders[0]}'; "
                            "nothing was written. Pass the same folder on every rank (rank 0 writes it).")
+    names = [name for _, name in shared]
+    if len(set(names)) > 1:  # each rank would gather another adapter's factors into one file
+        odd = next(r for r, n in enumerate(names) if n != names[0])
+        raise SurgeryError(f"surgery.{verb}: rank {odd} saves the adapter {names[odd]!r}, rank 0 {names[0]!r}; "
+                           "nothing was written. Pass the same adapter_name on every rank.")
+    if upcast:
+        model.to(dtype=torch.float32)
     state_dict, config = stock_lora_adapter(model, adapter_name)  # collectives: every rank, same order
     error: BaseException | None = None
     if torch.distributed.get_rank() == 0:  # one writer, also when several TP groups (data-parallel) call it

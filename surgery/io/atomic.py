@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,7 +164,7 @@ class _Lock:
     def __init__(self, target: Path, verb: str):
         self.path = target.parent / f".{target.name}.surgery-lock"
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = self._open(verb)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -177,7 +178,7 @@ class _Lock:
                 os.close(fd)
                 raise
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if same:
@@ -186,6 +187,25 @@ class _Lock:
         os.ftruncate(fd, 0)
         os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
         self.fd = fd
+
+    def _open(self, verb: str) -> int:
+        """The lock file, opened without following a link: a link or a second name planted there would have the
+        lock truncate and write the file it leads to (a user's file)."""
+        planted = f"{verb}: '{self.path}' is not surgery's lock file"
+        fix = ("; surgery locks only a plain file of its own there. Remove it and write again. Nothing was written, "
+               "and the file it leads to is as it was.")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as error:
+            if os.path.islink(self.path):
+                raise SurgeryError(f"{planted} but a link to '{os.readlink(self.path)}'{fix}") from None
+            raise
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+            os.close(fd)
+            what = "a file with other names (hard links)" if stat.S_ISREG(found.st_mode) else "not a plain file"
+            raise SurgeryError(f"{planted} but {what}{fix}")
+        return fd
 
     def release(self) -> None:
         if self.fd is None:

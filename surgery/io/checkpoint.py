@@ -37,6 +37,7 @@ from surgery.core.rewrite import unfuse
 from surgery.core.slicing import Slice, fused_shape, group_by_fused
 from surgery.core.state_dict import weight_slices
 from surgery.io.atomic import destination, staged_folder
+from surgery.parallel.agreement import file_identity
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, INDEX, WEIGHTS, Entry, Part, add_variant, owns, shard_bytes, write_checkpoint,
 )
@@ -175,6 +176,7 @@ class Reader:
         self.stored: dict[str, str] = {}  # name -> the name stored in the file, where `rename` changed it
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
+        self.identities: dict[str, str] = {}  # each file opened, by its path in the folder: `file_identity`
 
     def __enter__(self) -> "Reader":
         return self
@@ -191,6 +193,11 @@ class Reader:
         file = self.files[name]
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(_open(file))
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                self.identities[os.path.relpath(file, self.folder)] = file_identity(fd)
+            finally:
+                os.close(fd)
         return self._handles[file]
 
     def info(self, name: str) -> TensorInfo:

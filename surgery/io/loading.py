@@ -90,7 +90,8 @@ def load_tensor_parallel(
     Loading runs no collective; the ranks then agree (`surgery.parallel.agreement`) before returning, so that a rank
     that failed (a missing file, a bad tensor) makes every rank raise the same `SurgeryError` instead of leaving the
     others to wait in the model's first collective, and ranks that built different models (class, config, shapes,
-    dtypes) are refused.
+    dtypes) or read different files (each file's size and a digest of its header and of samples of its bytes) are
+    refused.
 
     A pipeline's text encoder loads the same way: `subfolder="text_encoder"` (or the folder itself), a transformers
     class or None (the class in its config.json's `architectures`), its `model.safetensors` (sharded with
@@ -110,12 +111,13 @@ def load_tensor_parallel(
         mesh, "load_tensor_parallel",
         lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, variant=variant,
                                       progress=progress, subfolder=subfolder, plan=plan, filter_fn=filter_fn),
-        lambda loaded: _fingerprint(loaded[0], loaded[1], mesh.size(), plan is not None or filter_fn is not None),
+        lambda loaded: _fingerprint(*loaded, mesh.size(), plan is not None or filter_fn is not None),
     )[0]
 
 
-def _fingerprint(model: nn.Module, planned: list, world: int, custom: bool) -> dict[str, dict]:
-    parts = fingerprint(model, world, None, weights=False)
+def _fingerprint(model: nn.Module, planned: list, files: dict[str, str], world: int, custom: bool
+                 ) -> dict[str, dict]:
+    parts = fingerprint(model, world, None, weights=False, files=files)
     if custom:  # ranks given different plans would shard differently
         parts["call"]["plan"] = plan_digest(planned)
     return parts
@@ -154,8 +156,9 @@ def _load_tensor_parallel(
     subfolder: str | None = None,
     plan: dict[str, ParallelStyle] | None = None,
     filter_fn: FilterFn | None = None,
-) -> tuple[nn.Module, list]:
-    """`load_tensor_parallel` on this rank alone (no collective): the model and its planned modules."""
+) -> tuple[nn.Module, list, dict[str, str]]:
+    """`load_tensor_parallel` on this rank alone (no collective): the model, its planned modules and what it read
+    (`surgery.parallel.agreement.file_identity` by file name, for the ranks to compare)."""
 
     if str(checkpoint).endswith((".gguf", ".safetensors")):
         return _load_single_file(model, Path(checkpoint), mesh, dtype=dtype, progress=progress, plan=plan,
@@ -187,7 +190,7 @@ def _load_tensor_parallel(
                 local = DTensor.from_local(local, mesh, (placement,), run_check=False)
             _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad), aliases)
 
-    return _finish(model, planned, mesh)
+    return *_finish(model, planned, mesh), reader.identities
 
 
 def _finish(model: nn.Module, planned: list, mesh: DeviceMesh) -> tuple[nn.Module, list]:
@@ -202,10 +205,10 @@ def _finish(model: nn.Module, planned: list, mesh: DeviceMesh) -> tuple[nn.Modul
 
 def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMesh, *, dtype: torch.dtype | None,
                       progress: bool, plan: dict[str, ParallelStyle] | None, filter_fn: FilterFn | None
-                      ) -> tuple[nn.Module, list]:
+                      ) -> tuple[nn.Module, list, dict[str, str]]:
     """`load_tensor_parallel` of one .gguf or .safetensors file (config.json beside it, or a model built on meta), in
     diffusers' names or the original ones that diffusers' single-file conversion maps. Each rank reads only the bytes
-    of its rows and columns of each tensor:
+    of its rows and columns of each tensor (and, for the ranks to compare, `file_identity`'s fixed few):
     - GGUF-quantized weights stay GGUF bytes, held as a `GGUFWeight` around a DTensor (`surgery.core.prequantized`); equals
       `tensor_parallel(unfuse(from_single_file(path, quantization_config=GGUFQuantizationConfig(compute_dtype=
       dtype))), mesh)`, the same bytes on each rank;
@@ -268,7 +271,8 @@ def _load_single_file(model: type | nn.Module | None, path: Path, mesh: DeviceMe
                 local = _placed(local.to(compute), placement, mesh)
             plain = not stored.quantized and scale is None
             _set(model, name, nn.Parameter(local, requires_grad=param.requires_grad and plain), aliases)
-    return _finish(model, planned, mesh)
+        read = {path.name: file.identity()}
+    return *_finish(model, planned, mesh), read
 
 
 def _placed(local: torch.Tensor, placement: Placement | None, mesh: DeviceMesh) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from diffusers.utils.torch_utils import unwrap_module
 from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,23 +38,22 @@ import secrets
 import torch.distributed.checkpoint as dcp
 
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import trims
 from surgery.core.slicing import Slice, concat, fused_shape, group_by_fused
-from surgery.core.state_dict import weight_slices
+from surgery.core.state_dict import checkpoint_slices
 from surgery.io.atomic import Staged, destination, staged_folder
 from surgery.io.safetensors_writer import (
     DEFAULT_MAX_SHARD_SIZE, DTYPES, Entry, Part, owns, shard_bytes, write_checkpoint,
 )
+from surgery.core.prequantized import gguf_weight, type_name
 from surgery.parallel.agreement import agree, agree_and_share
+from surgery.parallel.quantized import quantized
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter or buffer of `model` is a DTensor (after `tensor_parallel` or `load_tensor_parallel`)."""
 
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
-
-
-def _checkpoint_slices(model: nn.Module) -> list[Slice]:
-    return weight_slices(model)
 
 
 def fused_order(names: list[str], slices: list[Slice]) -> list[tuple[str, list[Slice] | None]]:
@@ -86,7 +86,7 @@ def fused_layout(model: nn.Module) -> Iterator[None]:
 
     A state-dict hook on `model` only, removed on exit: nobody else sees fused keys.
     """
-    slices = _checkpoint_slices(model)
+    slices = checkpoint_slices(model)
 
     def hook(module, state_dict, prefix, local_metadata):
         names = [k[len(prefix):] for k in state_dict if k.startswith(prefix)]
@@ -154,6 +154,33 @@ class _FileTensors:
             return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
 
 
+class _RealHeads:
+    """`source` with the zero heads of a padded model cut off (`surgery.core.heads_padding.trims`): the real rows of
+    q/k/v, the real columns of the output projections."""
+
+    def __init__(self, source, trims: dict[str, tuple[int, int]]):
+        self.source, self.trims = source, trims
+
+    def names(self) -> list[str]:
+        return self.source.names()
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        dtype, shape = self.source.meta(name)
+        if name in self.trims:
+            dim, real = self.trims[name]
+            shape = (*shape[:dim], real, *shape[dim + 1:])
+        return dtype, shape
+
+    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        if name not in self.trims:
+            return self.source.read(name, rows)
+        dim, real = self.trims[name]
+        if dim == 0:  # the real rows come first: a block of them is a block of the padded tensor's
+            start, stop, _ = (rows or slice(None)).indices(real)
+            return self.source.read(name, slice(start, stop))
+        return self.source.read(name, rows).narrow(dim, 0, real).contiguous()
+
+
 def _entries(source, slices: list[Slice]) -> list[Entry]:
     """Every tensor of the fused layout, in the fused model's order, each joined from its parts in `source`."""
     entries: list[Entry] = []
@@ -184,6 +211,7 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
     shard_bytes(max_shard_size)
     if getattr(model, "hf_quantizer", None) is not None:
         raise SurgeryError(f"{VERB}: the model is quantized; save it with model.save_pretrained.")
+    _check_plain(model)
     peft = [n for n, m in model.named_modules() if hasattr(m, "base_layer")]
     if peft:
         raise SurgeryError(
@@ -191,6 +219,22 @@ def _check(model: nn.Module, folder, max_shard_size) -> Path:
             "save_lora_adapter, or merge it first (model.fuse_lora(); model.unload_lora())."
         )
     return target
+
+
+def _check_plain(model: nn.Module) -> None:
+    """Only plain weights are written: a torchao or GGUF tensor (quantized by the user, or read per rank by
+    load_tensor_parallel) would fail deep inside the write, or be written as something diffusers cannot read."""
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if quantized(param) or quantized(local) or type(local) not in (torch.Tensor, nn.Parameter):
+            tensor = param if quantized(param) else local
+            kind = (f"GGUF {type_name(tensor.ggml_type)} bytes" if gguf_weight(tensor)
+                    else f"a {type(tensor).__module__.split('.')[0]} {type(tensor).__name__}")
+            raise SurgeryError(
+                f"{VERB}: '{name}' of '{name.rpartition('.')[0]}' is quantized ({kind}); a diffusers checkpoint "
+                "holds plain weights. Save the model before quantizing it and quantize again after loading, or keep "
+                "the quantized file it was loaded from (load_tensor_parallel reads it per rank)."
+            )
 
 
 def save_pretrained(
@@ -202,17 +246,20 @@ def save_pretrained(
     The files are what `surgery.fuse(model).save_pretrained(folder, max_shard_size=...)` writes (diffusers' shard
     names, index and `config.json`), so stock `from_pretrained` loads them. The save owns only those files: they are
     written into a temporary sibling and swapped into place when complete (`surgery.io.atomic`), and every other file of
-    an existing `folder` (a README, LoRA weights, `samples/`) is kept. A pipeline's root folder is refused (pass its
-    `transformer/`); a second save to the same folder while one runs is refused. A tensor-parallel model must be
+    an existing `folder` (a README, LoRA weights, `samples/`) is kept; a `torch.compile`d model saves as the model it
+    wraps. A pipeline's root folder is refused (pass its `transformer/`); a second save to the same folder while one
+    runs is refused. A tensor-parallel model must be
     saved from every rank at once, to one folder every rank sees (rank 0 writes the final files); a rank that never
     calls it makes the others raise after `SURGERY_HANDSHAKE_TIMEOUT` seconds (default 30). Returns the folder,
     resolved.
     """
+    model = unwrap_module(model)  # `torch.compile(model)` saves as the model it wraps, as diffusers' pipelines do
     if not is_sharded(model):
         target = _check(model, folder, max_shard_size)
-        slices = _checkpoint_slices(model)
+        slices = checkpoint_slices(model)
         with staged_folder(target, owns, VERB) as staged:
-            write_checkpoint(staged, _entries(_ModelTensors(model.state_dict()), slices), max_shard_size, variant)
+            source = _RealHeads(_ModelTensors(model.state_dict()), trims(model))
+            write_checkpoint(staged, _entries(source, slices), max_shard_size, variant)
             model.save_config(staged)
         return target
     return _save_sharded(model, folder, max_shard_size, variant)
@@ -307,8 +354,9 @@ def _save_sharded(model: nn.Module, folder, max_shard_size, variant) -> Path:
         dcp.save(state_dict, storage_writer=writer)
         del state_dict
         if rank == 0:
-            slices = _checkpoint_slices(model)
-            write_checkpoint(tmp, _entries(_FileTensors(tmp / "dcp", order), slices), max_shard_size, variant)
+            slices = checkpoint_slices(model)
+            source = _RealHeads(_FileTensors(tmp / "dcp", order), trims(model))
+            write_checkpoint(tmp, _entries(source, slices), max_shard_size, variant)
             shutil.rmtree(tmp / "dcp")
             (tmp / marker).unlink()
             model.save_config(tmp)

@@ -12,6 +12,7 @@ the file or a swapped shift/scale reads the very rows diffusers would have put t
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
-from surgery.core.prequantized import block_layout
+from surgery.core.prequantized import block_layout, dequantizable, dequantizable_names
+from surgery.parallel.agreement import file_identity
 
 _GGML_PLAIN = {0: torch.float32, 1: torch.float16}  # GGML F32, F16: what diffusers loads as plain tensors
 _SAFETENSORS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -60,6 +62,14 @@ class SlicedFile:
 
     path: Path
     tensors: dict[str, StoredTensor]
+
+    def _open(self) -> None:
+        self._fd = os.open(self.path, os.O_RDONLY)
+
+    def identity(self) -> str:
+        """What the ranks compare, read from the open file after its tensors were (`file_identity`): every rank must
+        have read the same file."""
+        return file_identity(self._fd)
 
     def __enter__(self):
         return self
@@ -109,17 +119,66 @@ class SafetensorsFile(SlicedFile):
         try:
             with open(self.path, "rb") as f:
                 size = int.from_bytes(f.read(8), "little")
+                length = os.fstat(f.fileno()).st_size
+                if size > length - 8:  # checked before reading: a corrupt size would allocate that much
+                    raise SurgeryError(f"'{self.path}' is not a safetensors file: its first 8 bytes give a header of "
+                                       f"{size} bytes, in a file of {length} bytes.")
                 header = json.loads(f.read(size))
         except (OSError, ValueError) as error:
             raise SurgeryError(f"'{self.path}' is not a readable safetensors file ({error}).") from None
+        if not isinstance(header, dict):
+            raise SurgeryError(f"'{self.path}': its header is not a JSON object of tensors but a "
+                               f"{type(header).__name__}; not a safetensors file.")
         self.metadata = header.pop("__metadata__", None) or {}
         self.tensors = {}
         for name, entry in header.items():
-            dtype = _SAFETENSORS.get(entry["dtype"])
-            if dtype is None:
-                raise SurgeryError(f"'{self.path}': tensor {name!r} has dtype {entry['dtype']}, which is not read here.")
-            self.tensors[name] = StoredTensor(name, tuple(entry["shape"]), 8 + size + entry["data_offsets"][0], dtype)
-        self._fd = os.open(self.path, os.O_RDONLY)
+            dtype, shape, offsets = _entry(self.path, name, entry)
+            self.tensors[name] = StoredTensor(name, shape, 8 + size + offsets[0], dtype)
+        _check_offsets(self.path, header, self.tensors, os.path.getsize(self.path) - 8 - size)
+        self._open()
+
+
+def _check_offsets(path: Path, header: dict, tensors: dict[str, StoredTensor], data_bytes: int) -> None:
+    """What safetensors checks before it reads: the tensors' byte ranges tile the data section exactly, each as long
+    as its shape times its dtype's size. A range moved or resized (a damaged or hand-edited header) would otherwise
+    read another tensor's bytes as this one's values."""
+    end = 0
+    for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+        begin, stop = entry["data_offsets"]
+        t = tensors[name]
+        expected = math.prod(t.shape) * t.dtype.itemsize
+        if begin != end or stop - begin != expected:
+            raise SurgeryError(
+                f"'{path}': tensor {name!r} is stored at data bytes {begin}..{stop}, but its shape {list(t.shape)} of "
+                f"{entry['dtype']} needs {expected} bytes starting at {end}, where the tensor before it ends: the header "
+                "does not describe the data (a damaged or edited file). Write the file again (safetensors' "
+                "save_file); stock safetensors refuses it as well."
+            )
+        end = stop
+    if end != data_bytes:
+        raise SurgeryError(
+            f"'{path}': its header describes {end} bytes of tensor data, but the file holds {data_bytes} (a damaged "
+            "or truncated file). Write the file again (safetensors' save_file)."
+        )
+
+
+def _entry(path: Path, name: str, entry) -> tuple[torch.dtype, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, data offsets) of one header entry, each checked for what safetensors writes there."""
+    if not isinstance(entry, dict):
+        raise SurgeryError(f"'{path}': the header's entry for {name!r} is {entry!r}, not an object with 'dtype', "
+                           "'shape' and 'data_offsets'; not a safetensors file.")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in entry:
+            raise SurgeryError(f"'{path}': tensor {name!r} has no {key!r} in the header; not a safetensors file.")
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise SurgeryError(f"'{path}': tensor {name!r} has shape {shape!r} in the header, not a list of sizes.")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(n) is int and n >= 0 for n in offsets):
+        raise SurgeryError(f"'{path}': tensor {name!r} has data_offsets {offsets!r} in the header, not [begin, end].")
+    dtype = _SAFETENSORS.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise SurgeryError(f"'{path}': tensor {name!r} has dtype {entry['dtype']!r}, which is not read here.")
+    return dtype, tuple(shape), tuple(offsets)
 
 
 class GGUFFile(SlicedFile):
@@ -138,7 +197,21 @@ class GGUFFile(SlicedFile):
             for t in reader.tensors
         }
         del reader
-        self._fd = os.open(self.path, os.O_RDONLY)
+        for t in self.tensors.values():
+            # refused here, not in the first forward (diffusers' dequantize raises a bare KeyError there)
+            if t.quantized and not dequantizable(t.ggml_type):
+                raise SurgeryError(
+                    f"'{self.path}': tensor {t.name!r} is GGUF {_ggml_name(t.ggml_type)}, which diffusers cannot "
+                    f"dequantize (it reads {', '.join(dequantizable_names())}). Convert the file to one of those "
+                    "types (Q8_0 keeps the most).")
+        self._open()
+
+
+def _ggml_name(ggml_type: int) -> str:
+    try:
+        return f"{need('gguf', 'a GGUF type name').GGMLQuantizationType(ggml_type).name} (type {ggml_type})"
+    except ValueError:
+        return f"type {ggml_type}"
 
 
 def row_sources(model: nn.Module, file: SlicedFile, names: list[str] | None = None

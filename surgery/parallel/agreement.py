@@ -53,6 +53,31 @@ def sampled_checksum(tensor: torch.Tensor) -> str:
     return hashlib.blake2b(sample.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
+# What ranks compare of a file they read (`file_identity`): its first bytes (a safetensors or GGUF header, for any
+# checkpoint short of thousands of tensors) and SAMPLE evenly spaced pieces of the rest. One read of HEAD_BYTES and
+# SAMPLE reads of PIECE bytes per file, whatever its size; like the weights checksum it sees another checkpoint,
+# format or version of a file (they differ nearly everywhere), not an edit confined to bytes it does not read.
+HEAD_BYTES = 1 << 20
+PIECE = 64
+
+
+def file_identity(fd: int) -> str:
+    """The size of the open file `fd` and a digest of its first `HEAD_BYTES` and of `SAMPLE` pieces of the rest."""
+    size = os.fstat(fd).st_size
+    digest = hashlib.blake2b(os.pread(fd, min(size, HEAD_BYTES), 0), digest_size=8)
+    rest = size - HEAD_BYTES - PIECE
+    if rest > 0:
+        for i in range(SAMPLE):
+            digest.update(os.pread(fd, PIECE, HEAD_BYTES + i * rest // (SAMPLE - 1)))
+    return f"{size} bytes, digest {digest.hexdigest()}"
+
+
+def tensors_identity(tensors: dict[str, torch.Tensor]) -> str:
+    """A digest of in-memory tensors' names, shapes, dtypes and sampled values (`sampled_checksum`)."""
+    entries = [(name, tuple(t.shape), str(t.dtype), sampled_checksum(t)) for name, t in sorted(tensors.items())]
+    return f"{len(entries)} tensors, digest {hashlib.blake2b(repr(entries).encode(), digest_size=8).hexdigest()}"
+
+
 def _config(model: nn.Module) -> dict[str, str]:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "items"):
@@ -61,10 +86,14 @@ def _config(model: nn.Module) -> dict[str, str]:
     return {key: repr(value) for key, value in sorted(config.items()) if not str(key).startswith("_")}
 
 
-def fingerprint(model: nn.Module, mesh_size: int, src_data_rank: int | None, weights: bool) -> dict[str, dict]:
-    """What every rank must hold alike before sharding, in parts that can be compared one by one."""
+def fingerprint(model: nn.Module, mesh_size: int, src_data_rank: int | None, weights: bool,
+                files: dict[str, str] | None = None) -> dict[str, dict]:
+    """What every rank must hold alike before sharding, in parts that can be compared one by one. `files`: what the
+    rank read, by name (a file's name, `file_identity`), compared first: ranks that read different files hold
+    different weights even where every shape agrees."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    parts = {
+    parts = {} if files is None else {"files": dict(files)}
+    parts |= {
         "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}"},
         "config": _config(model),
         "call": {
@@ -84,12 +113,15 @@ def _digest(part: dict) -> str:
 
 
 _FIXES = {
+    "files": "Every rank must read the same checkpoint or adapter: pass the same file or folder (or identical copies) "
+    "on every rank, and do not replace it while the ranks read.",
     "model": "Every rank must build the same model class.",
     "config": "Every rank must build the model from the same config.",
     "call": "Call it with the same mesh and src_data_rank on every rank.",
     "tensors": "Every rank must build the same model from the same config, in the same dtype, and edit it alike.",
     "weights": "With src_data_rank=None each rank keeps its own weights: load the same checkpoint (and seed) on every "
     "rank, or pass src_data_rank=0 to give every rank rank 0's weights.",
+    "decode": "Every rank must decode the same latents (shape and dtype) with the same tile sizes.",
 }
 
 
@@ -99,6 +131,9 @@ def _difference(part: str, mine: dict, theirs: dict, rank: int, reference: int) 
         a, b = mine.get(key), theirs.get(key)
         if a == b:
             continue
+        if part == "files":
+            said = [f"read {key!r} ({x})" if x else f"did not read {key!r}" for x in (a, b)]
+            return f"rank {rank} {said[0]}, rank {reference} {said[1]}"
         if a is None:
             return f"rank {rank} has no {key!r}, rank {reference} has one ({b})"
         if b is None:
@@ -326,7 +361,8 @@ def agree_and_share(
                 _difference(name, full[rank], full[reference], rank, reference)
                 for rank in range(world) if full[rank] != full[reference]
             )
-            message = f"surgery.{verb}: the ranks hold different models, so none of them went on: {what}. {_FIXES[name]}"
+            held = "read different data" if name == "files" else "hold different models"
+            message = f"surgery.{verb}: the ranks {held}, so none of them went on: {what}. {_FIXES[name]}"
     if message is None:
         return result, [s for *_, s in gathered]
     if error is not None and not isinstance(error, SurgeryError):

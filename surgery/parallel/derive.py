@@ -17,6 +17,7 @@ returns `Refused(reason)`, and `tensor_parallel` names it when a block Linear is
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -30,22 +31,24 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import edits_for, runs_twin, under
+from surgery.core.heads_padding import refusal_hint
+from surgery.core.leaves import is_twin, runs_twin, under
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
+from surgery.parallel.dtensor_attention import ImplicitReplication
 
 # diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
 # `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),
-# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`; the head count as `heads` or
-# `num_heads`
+# Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`, LongCat-AudioDiT's `q_norm/k_norm`;
+# the head count as `heads` or `num_heads`
 QUERIES = ("to_q", "to_query")
 KEYS = ("to_k", "add_k_proj", "to_key")
 INPUT_PROJECTIONS = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_q_t", "to_k_t", "to_v_t",
                      "to_query", "to_key", "to_value")
 OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t", "out_layer")  # `to_out` where it is the Linear
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
-            "k_rms_norm_t", "query_norm", "key_norm")
+            "k_rms_norm_t", "query_norm", "key_norm", "q_norm", "k_norm")
 HEAD_COUNTS = ("heads", "num_heads")
 
 
@@ -60,9 +63,14 @@ def per_head_norm(head_dim: int = 2) -> SequenceParallel:
 
 class AcrossHeadsNorm(ParallelStyle):
     """A norm over the whole attention width on a rank that holds a share of the heads: its weight `Shard(0)`, its
-    input this rank's columns as a `Shard(-1)` DTensor, its output local again. The module computes in elementwise
-    ops and a mean (diffusers' `RMSNorm`, `surgery.core.norms.ElementwiseRMSNorm`), so the mean over the sharded
-    width is a partial sum that DTensor resolves with one all-reduce of `[batch, tokens, 1]`."""
+    input this rank's columns as a `Shard(-1)` DTensor, its output local again (a DTensor with
+    `use_local_output=False`, where the processor runs on DTensors). The module computes in elementwise ops and a
+    mean (diffusers' `RMSNorm`, `surgery.core.norms.ElementwiseRMSNorm`), so the mean over the sharded width is a
+    partial sum that DTensor resolves with one all-reduce of `[batch, tokens, 1]`."""
+
+    def __init__(self, use_local_output: bool = True):
+        super().__init__()
+        self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -76,7 +84,7 @@ class AcrossHeadsNorm(ParallelStyle):
                          else a for a in args)
 
         def outputs(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
+            return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
         return distribute_module(module, mesh, partition, inputs, outputs)
 
@@ -208,34 +216,63 @@ def qk_norms_per_head(module: nn.Module) -> bool:
                if norm is not None and not isinstance(norm, nn.Identity))
 
 
+def head_count_reader(processor, seen: frozenset = frozenset()) -> tuple[type, str] | None:
+    """What, in the code `processor` runs, reads the stored head count (wrong on a rank that holds a share of the
+    heads), as (class, how the processor runs it); None where nothing does. That code is every `__call__` of its
+    class's MRO (an override may call `super().__call__`) and of the callables it holds (a wrapper's inner
+    processor, followed the same way); a twin made here splits heads by `head_dim`. Code without source to read
+    counts as reading it."""
+    if is_twin(processor) or id(processor) in seen:
+        return None
+    seen = seen | {id(processor)}
+    if inspect.ismethod(processor) or inspect.isfunction(processor):
+        owner = getattr(processor, "__self__", None)
+        calls = [(type(owner) if owner is not None else processor, processor)]
+    else:
+        calls = [(cls, vars(cls)["__call__"]) for cls in type(processor).__mro__ if "__call__" in vars(cls)]
+    for cls, call in calls:
+        try:
+            source = inspect.getsource(call)
+        except (OSError, TypeError):
+            return cls, "has no source to read"
+        if any(f"attn.{count}" in source for count in HEAD_COUNTS):
+            return cls, "" if cls is type(processor) else f"derives from {cls.__name__}"
+    for name, value in getattr(processor, "__dict__", {}).items():
+        if callable(value) and not isinstance(value, (type, nn.Module)):
+            found = head_count_reader(value, seen)
+            if found is not None:
+                return found[0], f"runs {found[0].__name__} (its `{name}`)"
+    return None
+
+
 def processor_reads_head_count(processor) -> bool:
-    """Whether a processor's code reads the stored head count (wrong on a rank that holds a share of the heads)."""
-    try:
-        source = inspect.getsource(type(processor).__call__)
-        return any(f"attn.{count}" in source for count in HEAD_COUNTS)
-    except (OSError, TypeError):
-        return True  # no source to read: assume the worst
+    """Whether a processor's code reads the stored head count (see `head_count_reader`)."""
+    return head_count_reader(processor) is not None
 
 
-def has_twin_rule(processor_class: type) -> bool:
-    """Whether a head-dim twin of a processor class can be built (the processor rule, or edits listed for it)."""
-    try:
-        return edits_for(processor_class) is not None
-    except (OSError, TypeError):  # no source to read
-        return False
+def runs_on_dtensors(module: nn.Module) -> bool:
+    """Whether an attention's processor must run on DTensor q/k/v (`surgery.parallel.dtensor_attention`): it reads
+    the stored head count and no head-dim twin runs in its place. The twin, where it runs, is the faster path (no
+    DTensor dispatch per op in eager mode)."""
+    processor = getattr(module, "processor", None)
+    return processor is not None and not runs_twin(module) and processor_reads_head_count(processor)
 
 
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
-    norms' plan (`projection_plan`), where its processor splits heads by `head_dim`."""
+    norms' plan (`projection_plan`); where its processor reads the stored head count and no head-dim twin runs, the
+    same on DTensors, the module itself under `ImplicitReplication` (the stock processor runs as it is)."""
     processor = getattr(module, "processor", None)
-    if processor is not None and not runs_twin(module) and processor_reads_head_count(processor):
-        name = type(processor).__name__
-        if not has_twin_rule(type(processor)):
-            return Refused(f"its processor {name} reads the stored head count `attn.heads` beyond the reshapes the "
-                           "processor rule of surgery.core.leaves rewrites, so no head-dim twin of it exists")
-        return Refused(f"its processor {name} reshapes by the stored head count `attn.heads`, and no head-dim twin "
-                       "runs (surgery.unfuse has not run, or no registered family lists this attention class)")
+    reader = head_count_reader(processor) if processor is not None else None
+    if reader is not None and reader[1]:  # a wrapper or subclass: not the stock code a twin or DTensors are proven on
+        return Refused(f"its processor {type(processor).__name__} {reader[1]}, which reads the stored head count "
+                       "`attn.heads` (or has no source to read), and surgery gives only a stock processor its head-dim "
+                       "twin. Set the stock processor back before sharding, or set yours after surgery.unfuse around "
+                       "the processor it installs (attention.processor)")
+    if runs_on_dtensors(module):
+        plan = projection_plan(module, on_dtensors=True)
+        return plan if isinstance(plan, Refused) else {**plan, "": ImplicitReplication()}
+    processor = getattr(module, "processor", None)
     plan = projection_plan(module)
     if processor is not None and not isinstance(plan, Refused) and processor_writes_in_place(processor):
         plan = {k: OwnedColwise() if type(v) is ColwiseParallel else v for k, v in plan.items()}
@@ -245,9 +282,14 @@ def attention_plan(module: nn.Module) -> dict | Refused:
     return plan
 
 
-def projection_plan(module: nn.Module) -> dict | Refused:
+def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refused:
     """The styles of an attention module's projections and q/k norms, read off its children, or why there are
-    none (a Linear without a rule, a norm of another width, a torch RMSNorm across heads)."""
+    none (a Linear without a rule, a norm of another width, a torch RMSNorm across heads).
+
+    `on_dtensors`: for a processor that runs on DTensors (`runs_on_dtensors`): q/k/v and gates leave their Linears
+    as DTensors, a gate may be as wide as q (Krea2's sigmoid gate over the attention output), per-head norms and the
+    module's own parameters are left to `ImplicitReplication` (replicated weights)."""
+    colwise = functools.partial(ColwiseParallel, use_local_output=not on_dtensors)
     cls = type(module).__name__
     heads = head_count(module)
     q = query_projection(module)
@@ -257,21 +299,22 @@ def projection_plan(module: nn.Module) -> dict | Refused:
     plan: dict = {}
     for name in INPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
-            plan[name] = ColwiseParallel()
+            plan[name] = colwise()
     for name in OUTPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
             plan[name] = RowwiseParallel()
+    gates = (heads, q.out_features) if on_dtensors else (heads,)
     for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
-        if (name not in plan and isinstance(child, nn.Linear) and child.out_features == heads
+        if (name not in plan and isinstance(child, nn.Linear) and child.out_features in gates
                 and child.in_features == q.in_features):
-            plan[name] = ColwiseParallel()
+            plan[name] = colwise()
     for name in QK_NORMS:
         norm = _child(module, name)
         if norm is None or isinstance(norm, nn.Identity):
             continue
         width = norm_width(norm)
         if width == head_dim:
-            if any(True for _ in norm.parameters(recurse=False)):
+            if any(True for _ in norm.parameters(recurse=False)) and not on_dtensors:
                 plan[name] = per_head_norm(2)
         elif width is not None and width % head_dim == 0 and width > head_dim:
             if type(norm) is nn.RMSNorm:
@@ -281,10 +324,10 @@ def projection_plan(module: nn.Module) -> dict | Refused:
             if not isinstance(norm, ElementwiseRMSNorm) and type(norm).__name__ != "RMSNorm":
                 return Refused(f"{name} is a {type(norm).__name__} across heads ({width} wide): only RMS norms "
                                "written in elementwise ops shard by their statistic")
-            plan[name] = AcrossHeadsNorm()
+            plan[name] = AcrossHeadsNorm(use_local_output=not on_dtensors)
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
-    for name, param in module.named_parameters(recurse=False):
+    for name, param in [] if on_dtensors else module.named_parameters(recurse=False):
         # a tensor the processor reads directly (Helios' `history_key_scale`, one scale per head): a rank holding a
         # share of the heads would need its share of it, which no derived style gives
         return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
@@ -333,20 +376,26 @@ def single_stream_plan(block: nn.Module) -> dict | Refused:
     return {**under(a, attention), m: ColwiseParallel(), **under(o, SPLIT_PROJECTION_TP_PLAN)}
 
 
+# diffusers' names of a feed-forward written beside its model (`...FeedForward`; `Krea2SwiGLU`, `Ideogram4MLP`)
+FEED_FORWARD_NAMES = ("FeedForward", "SwiGLU", "MLP")
+
+
 def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] | None:
     """`(ins, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
-    plan): a class named `...FeedForward` whose Linears are two, `in` then `out`, with `out` reading `in`'s width
+    plan): a class named `...FeedForward` (or `...SwiGLU`, `...MLP`) whose Linears are two, `in` then `out`, with `out` reading `in`'s width
     (plain) or half of it (gated: rows gate and up fused in `in`); or three, gate and up as two Linears of the same
     shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`). None for any other module."""
-    if "FeedForward" not in type(module).__name__:
+    if not any(name in type(module).__name__ for name in FEED_FORWARD_NAMES):
         return None
     linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
     if len(linears) == 3:
+        found = []
         for i, (last, b) in enumerate(linears):
             ins = [(p, a) for j, (p, a) in enumerate(linears) if j != i]
             if all(a.out_features == b.in_features and a.in_features == b.out_features for _, a in ins):
-                return tuple(p for p, _ in ins), last, False
-        return None
+                found.append((tuple(p for p, _ in ins), last, False))
+        # square Linears (hidden size = feed-forward width) leave the output one unknown: no rule, not a guess
+        return found[0] if len(found) == 1 else None
     if len(linears) != 2:
         return None
     (first, a), (last, b) = linears
@@ -391,4 +440,5 @@ def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
             kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}.{name}' holds {count} {kind} of {head_dim}, which a mesh of {world} "
-                f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}.")
+                f"cannot split evenly. Use a mesh size that divides {count}: {mesh_sizes_dividing(count)}"
+                f"{refusal_hint(world)}.")

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 import torch.fx.experimental._config
 import torch.nn as nn
-from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel
 
 from surgery.core.build import keep_in_fp32
 from surgery.core.leaves import Processors, rule_edits, swap_rewrite
@@ -95,9 +95,11 @@ def all_reduces(style) -> int:
     module output resolved from partial sums, a norm across heads (its statistic)."""
     if isinstance(style, RowwiseParallel):
         return int(all(p.is_replicate() for p in style.output_layouts))
-    if isinstance(style, PrepareModuleOutput):
-        return int(any(p.is_partial() for p in style.output_layouts if p is not None)
-                   and all(p.is_replicate() for p in style.desired_output_layouts if p is not None))
+    if isinstance(style, PrepareModuleInputOutput):
+        style = style.prepare_module_output
+    if isinstance(style, PrepareModuleOutput):  # one per output resolved from partial sums
+        return sum(1 for have, want in zip(style.output_layouts, style.desired_output_layouts)
+                   if have is not None and have.is_partial() and want is not None and want.is_replicate())
     return int(isinstance(style, AcrossHeadsNorm))
 
 

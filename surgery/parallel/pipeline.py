@@ -2,8 +2,9 @@
 
 A diffusers pipeline holds a transformer, one or two text encoders, a VAE and tokenizers/schedulers. The transformer
 is sharded after `unfuse` with the registered family plans; a text encoder with transformers' own plan (or a
-registered one, `rewrites/t5.py`); what has no plan (VAE, CLIP, tokenizers) stays whole on every rank. The same
-walk, on the meta device under torch's fake process group, accounts each component's bytes per rank for
+registered one, `rewrites/t5.py`); what has no plan (CLIP, tokenizers) stays whole on every rank. A VAE keeps its
+weights whole and has its decode split across the ranks (`surgery.decode_parallel`: each rank decodes its share of
+the tiles, one gather), or, where it has no tiled decode, decodes whole on every rank. The same walk, on the meta device under torch's fake process group, accounts each component's bytes per rank for
 `surgery plan --pipeline`.
 """
 
@@ -22,8 +23,9 @@ from surgery.core.build import default_dtype, model_on_meta, resolve_config
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.core.registry import families, resolve_model
-from surgery.core.rewrite import unfuse
+from surgery.core.rewrite import fuse, unfuse
 from surgery.core.walk import find_modules
+from surgery.parallel.decode import VERB as DECODE_VERB, decode_parallel
 from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.plans import checked_plan, planned_modules
 from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel
@@ -53,34 +55,61 @@ def _no_plan_reason(model: nn.Module) -> str:
     return f"no tensor-parallel plan: none registered with surgery for {cls.__name__}{shipped}"
 
 
-def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None,
-                    required: bool = False) -> dict:
-    """Unfuse (where fused modules are registered) and shard one component; or leave it whole, saying why.
+def plan_component(name: str, model: nn.Module, world: int, *, required: bool = False) -> dict:
+    """Unfuse (where fused modules are registered) and check one component for a mesh of `world` ranks: its report
+    row, with the reason it stays whole ("" where it shards). Nothing is sharded here.
 
-    `required`: a component that cannot be sharded raises instead (the pipeline's transformer).
+    `required`: a component that cannot be sharded raises instead (the pipeline's transformer), fused back first.
     """
 
-    row = {"component": name, "class": type(model).__name__}
-    if find_modules(model, fused=True):
+    row = {"component": name, "class": type(model).__name__, "unfused": bool(find_modules(model, fused=True))}
+    if row["unfused"]:
         unfuse(model)
-        row["unfused"] = True
-    planned = planned_modules(model)
-    reason = None
-    if not planned:
-        reason = _no_plan_reason(model)
-    else:
-        try:
-            checked_plan(model, None, None, mesh.size())  # the checks tensor_parallel makes, coverage included
-        except SurgeryError as error:
-            if required:
-                raise
-            reason = f"cannot be sharded over {mesh.size()}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
-    if reason is not None and required:
-        raise SurgeryError(f"surgery.tensor_parallel_pipeline: the pipeline's {name} ({type(model).__name__}) has "
-                           f"{reason}.")
-    if reason is None:
+    try:
+        reason = None
+        if not planned_modules(model):
+            reason = _no_plan_reason(model)
+        else:
+            try:
+                checked_plan(model, None, None, world)  # the checks tensor_parallel makes, coverage included
+            except SurgeryError as error:
+                if required:
+                    raise
+                reason = f"cannot be sharded over {world}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
+        if reason is not None and required:
+            raise SurgeryError(f"surgery.tensor_parallel_pipeline: the pipeline's {name} ({type(model).__name__}) "
+                               f"has {reason}.")
+    except BaseException:
+        if row["unfused"]:
+            fuse(model)
+        raise
+    return {**row, "reason": reason or ""}
+
+
+def shard_component(name: str, model: nn.Module, mesh: DeviceMesh, *, src_data_rank: int | None,
+                    required: bool = False) -> dict:
+    """`plan_component`, then shard the component where it can be: its report row with its bytes per rank."""
+
+    row = plan_component(name, model, mesh.size(), required=required)
+    return _shard(row, model, mesh, src_data_rank)
+
+
+def _shard(row: dict, model: nn.Module, mesh: DeviceMesh, src_data_rank: int | None) -> dict:
+    if not row["reason"]:
         tensor_parallel(model, mesh, src_data_rank=src_data_rank)
-    return {**row, "sharded": reason is None, "reason": reason or "", **_bytes(model)}
+    return {**row, "sharded": not row["reason"], **_bytes(model)}
+
+
+def split_decode(name: str, vae: nn.Module, mesh: DeviceMesh) -> dict:
+    """The VAE's decode split across the ranks (its weights whole on every rank); or, where it cannot be, the VAE
+    left as it was, decoding whole on every rank, with the reason."""
+    try:
+        decode_parallel(vae, mesh)
+        reason = f"weights whole; its decode split over {mesh.size()} ranks by tiles"
+    except SurgeryError as error:
+        reason = (f"decoded whole on every rank: "
+                  f"{str(error).removeprefix(f'surgery.{DECODE_VERB}: ')}")
+    return {"component": name, "class": type(vae).__name__, "sharded": False, "reason": reason, **_bytes(vae)}
 
 
 def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | None = 0) -> list[dict]:
@@ -89,22 +118,40 @@ def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | Non
 
     The transformer (`pipe.transformer`) is unfused and sharded, and must be shardable (an error otherwise, as
     `surgery.tensor_parallel` raises). Text encoders are sharded with transformers' own plan or a registered one;
-    one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. VAEs,
-    tokenizers, schedulers and processors stay whole. Call it on every rank, with identical pipelines.
+    one that the mesh cannot split (heads, sizes) or that has no plan (CLIP) stays whole, with the reason. A VAE
+    (`vae`, `audio_vae`, ...) stays whole with its decode split over the ranks (`decode_parallel`), or decoding
+    whole where it has no tiled decode, said in its row. Tokenizers, schedulers and processors stay whole. Call it on
+    every rank, with identical pipelines.
+
+    Every component is planned and checked before the first is sharded: a refused transformer leaves the whole
+    pipeline as it was (components unfused for the check are fused back).
     """
 
     mesh = one_dim_mesh(mesh)
-    report = []
-    for name, component in pipe.components.items():
-        if component is None:
-            continue
-        if not isinstance(component, nn.Module):
-            report.append({"component": name, "class": type(component).__name__, "sharded": False,
-                           "reason": "not a torch module (no weights to shard)", "bytes": 0, "bytes_per_rank": 0,
-                           "sharded_bytes_per_rank": 0, "replicated_bytes_per_rank": 0})
-            continue
-        report.append(shard_component(name, component, mesh, src_data_rank=src_data_rank,
-                                      required=name == "transformer"))
+    planned = []  # (module or None, row), in the pipeline's order
+    try:
+        for name, component in pipe.components.items():
+            if component is None:
+                continue
+            if not isinstance(component, nn.Module):
+                planned.append((None, {"component": name, "class": type(component).__name__, "sharded": False,
+                                       "reason": "not a torch module (no weights to shard)", "bytes": 0,
+                                       "bytes_per_rank": 0, "sharded_bytes_per_rank": 0,
+                                       "replicated_bytes_per_rank": 0}))
+                continue
+            if name == "vae" or name.endswith("_vae"):  # split after every check passed: it agrees across ranks
+                planned.append((component, {"component": name, "decode": True}))
+                continue
+            planned.append((component, plan_component(name, component, mesh.size(), required=name == "transformer")))
+    except BaseException:
+        for component, row in reversed(planned):
+            if row.get("unfused"):
+                fuse(component)
+        raise
+    report = [row if component is None
+              else split_decode(row["component"], component, mesh) if row.get("decode")
+              else _shard(row, component, mesh, src_data_rank)
+              for component, row in planned]
     if not dist.is_initialized() or dist.get_rank() == 0:
         logger.info("surgery.tensor_parallel_pipeline over %d ranks:\n%s", mesh.size(), report_text(report))
     return report

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import refusal_hint
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
@@ -408,7 +409,8 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
         if isinstance(heads, int) and heads % world:
             raise SurgeryError(
                 f"surgery.tensor_parallel: '{path}' has {heads} attention heads, which a mesh of {world} cannot "
-                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}."
+                f"split evenly. Use a mesh size that divides {heads}: {mesh_sizes_dividing(heads)}"
+                f"{refusal_hint(world)}."
             )
         for key, style in plan.items():
             linear = module.get_submodule(key)
@@ -431,6 +433,29 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
                 )
 
 
+def check_whole_units(model: nn.Module, planned: Planned, given: str) -> None:
+    """A literal plan or a filter keeps each registered (or derived) plan's module whole or drops it whole: one
+    sharded Linear whose partner stays whole (q/k/v without their output projection, a split projection's parts
+    without the resolution of their partial sum, heads without their norms) computes with mismatched shapes or
+    wrong gradients, found only in the forward or not at all."""
+    kept = {_join(path, key) for path, _, plan in planned for key in plan}
+    for path, module, plan in planned_modules(model):
+        entries = {_join(path, key): (key, style) for key, style in plan.items()}
+        have = [name for name in entries if name in kept]
+        missing = [name for name in entries if name not in kept]
+        if have and missing:
+            def named(names):
+                return ", ".join(f"'{entries[n][0] or '<itself>'}' ({type(entries[n][1]).__name__})" for n in names[:3]) + (
+                    f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise SurgeryError(
+                f"surgery.tensor_parallel: {given} shards {named(have)} of '{path or '<model>'}' "
+                f"({type(module).__name__}) but leaves its partner{'s' if len(missing) > 1 else ''} {named(missing)} "
+                f"whole; half a sharded module computes with mismatched shapes or wrong gradients. Keep or drop all "
+                f"{len(entries)} entries of '{path or '<model>'}' together (surgery.parallel.plans.effective_plan "
+                "lists them)."
+            )
+
+
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
     """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
     of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
@@ -438,6 +463,8 @@ def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None
     adopted = adopt_prequantized(model)
     try:
         planned = planned_for(model, plan, filter_fn)
+        if plan is not None or filter_fn is not None:
+            check_whole_units(model, planned, "plan=" if plan is not None else "filter_fn")
         # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
         # owners are
         check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)

@@ -18,11 +18,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from surgery.core import heads_padding
 from surgery.core.errors import SurgeryError
-from surgery.core.split_projection import SplitRows, pack
+from surgery.core.split_projection import CALL, SplitProjection, SplitRows, pack
 from surgery.parallel import quantized as quant
 from surgery.parallel.agreement import agree, fingerprint
-from surgery.parallel.plans import FilterFn, Planned, block_plans, checked_plan, linear_placements, plan_digest
+from surgery.parallel.padding import head_paddings
+from surgery.parallel.plans import (
+    FilterFn, Planned, block_path, block_plans, checked_plan, linear_placements, plan_digest, planned_for,
+)
 
 
 def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -119,13 +123,17 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
                 continue
             data = tensor.detach()
             on_mesh = data if data.device.type == mesh.device_type else data.to(mesh.device_type)
+            # a broadcast sends and fills memory in order: ranks whose copies are laid out differently (one stored
+            # transposed) must meet in a dense buffer
+            on_mesh = on_mesh.contiguous()
             dist.broadcast(on_mesh, src=src, group=group)
             if on_mesh is not data:
                 data.copy_(on_mesh)
 
 
 def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, ParallelStyle] | None = None,
-                    filter_fn: FilterFn | None = None, *, src_data_rank: int | None = 0) -> nn.Module:
+                    filter_fn: FilterFn | None = None, *, src_data_rank: int | None = 0,
+                    pad_heads: bool = False) -> nn.Module:
     """Shard an unfused model over a 1-D `mesh` with stock `parallelize_module`; in place, returns `model`.
 
     By default every module with a registered plan is sharded, each block with the plan
@@ -157,11 +165,23 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     the values each rank held, since with `src_data_rank=None` the ranks agreed they hold the same weights; with an
     integer `src_data_rank`, the source rank's weights, which every rank had already received). Unfused row slices
     that were views of one fused storage come back as separate tensors of the same values.
+
+    An attention whose heads the mesh does not divide is refused, unless `pad_heads=True`: then it gets zero heads up
+    to a multiple of the mesh (zero q/k/v rows and output columns, after the real heads; `surgery.core.heads_padding`),
+    which leave its output and gradients unchanged and cost each rank what `surgery plan` shows. Saving, adapters
+    and `fuse` give back the unpadded model and files.
     """
     mesh = one_dim_mesh(mesh)
     world = mesh.size()
+    padded: list = []
 
     def plan_and_check() -> Planned:
+        if pad_heads:
+            found = head_paddings(model, planned_for(model, plan, filter_fn), world,
+                                  lambda path: block_path(model, path)[0])
+            for p in found:  # checked first, then applied; undone below if any rank refuses
+                heads_padding.pad(model.get_submodule(p.block), [p.padding])
+                padded.append(p)
         planned = checked_plan(model, plan, filter_fn, world)
         check_source(model, src_data_rank, world)
         return planned
@@ -173,15 +193,26 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
         return parts
 
     # 1-3. build the plan, check it, and agree across ranks: every rank raises the same error or none does
-    planned = agree(mesh, "tensor_parallel", plan_and_check, fingerprint_of, reference=src_data_rank or 0)
-    # 4. shard block by block; a failure anywhere puts every rank's model back
-    done: list[ModuleStates] = []
-    for path, block_plan in block_plans(model, planned).items():
-        done.append(shard_block(model, path, block_plan, mesh, src_data_rank, done))
+    try:
+        planned = agree(mesh, "tensor_parallel", plan_and_check, fingerprint_of, reference=src_data_rank or 0)
+        # 4. shard block by block; a failure anywhere puts every rank's model back
+        done: list[ModuleStates] = []
+        for path, block_plan in block_plans(model, planned).items():
+            done.append(shard_block(model, path, block_plan, mesh, src_data_rank, done))
+    except BaseException:
+        unpad(model, padded)
+        raise
     if src_data_rank is not None:
         broadcast_replicated(model, mesh, src_data_rank)
     pack_sharded(model, planned, mesh)
     return model
+
+
+def unpad(model: nn.Module, padded: list) -> None:
+    """Undo the zero heads `tensor_parallel` added (the blocks put back whole first), the real values bitwise."""
+    for p in reversed(padded):
+        block = model.get_submodule(p.block)
+        heads_padding.unpad_one(block, p.padding)
 
 
 def shard_block(model: nn.Module, path: str, block_plan: dict, mesh: DeviceMesh, src_data_rank: int | None,
@@ -348,7 +379,10 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
     """Rank `src_data_rank`'s cut of `original` into this rank's shard of `param` (see `copy_from_source`)."""
     group = mesh.get_group()
     me, world = mesh.get_local_rank(), mesh.size()
-    local = param._local_tensor
+    shard = param._local_tensor
+    # A collective fills its output's memory in order, whatever the strides: a shard of a weight stored transposed
+    # (`w.t().contiguous().t()`, kept as a strided view by `src_data_rank=None` slicing) receives into a dense buffer.
+    local = shard if shard.is_contiguous() else torch.empty(shard.shape, dtype=shard.dtype, device=shard.device)
     pieces = original.chunk(world, param.placements[0].dim) if me == src_data_rank else None
     if local.dtype.itemsize == 1 and local.is_floating_point():  # gloo sends no float8: send its bytes
         local = local.view(torch.uint8)
@@ -356,22 +390,26 @@ def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: in
     if original.device.type == mesh.device_type:
         scatter = [p.contiguous() for p in pieces] if pieces is not None else None
         dist.scatter(local, scatter, src=src, group=group)
-        return
-    for i in range(world):
-        if i == src_data_rank:
-            continue
-        buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
-        dist.broadcast(buffer, src=src, group=group)
-        if i == me:
-            local.copy_(buffer)
+    else:
+        for i in range(world):
+            if i == src_data_rank:
+                continue
+            buffer = pieces[i].to(local.device).contiguous() if pieces is not None else torch.empty_like(local)
+            dist.broadcast(buffer, src=src, group=group)
+            if i == me:
+                local.copy_(buffer)
+    if local.data_ptr() != shard.data_ptr():
+        shard.copy_(local.view(shard.dtype))
 
 
 def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
     """Lay each sharded `SplitRows`' local shards out back to back in one buffer (the parts' local tensors become views of
     it) and give the leaf a `Packed` that runs its parts' style once over it: per rank, the GEMM of diffusers' packed
-    styles. Only leaves whose parts all got the same stock linear style, one that takes its input as it comes
-    (`input_layouts == desired_input_layouts`), are packed; the rest run their parts' own forwards. The number
-    packed."""
+    styles. A `SplitProjection` keeps what its packed weight is multiplied with, for the first forward run for
+    inference to lay out its columns (`surgery.core.split_projection.pack_for_inference`: FSDP2 takes no
+    non-contiguous parameters). Only leaves whose parts all got the same stock linear style, one that takes its input
+    as it comes (`input_layouts == desired_input_layouts`), are packed; the rest run their parts' own forwards. The
+    number of `SplitRows` packed."""
     styles: dict[str, ParallelStyle] = {}
     for block, plan in block_plans(model, planned).items():
         for key, style in plan.items():
@@ -389,14 +427,16 @@ def pack_sharded(model: nn.Module, planned: Planned, mesh: DeviceMesh) -> int:
 
     packed = 0
     for path, leaf in model.named_modules():
-        # row parts only: a `SplitProjection`'s column parts laid out in one buffer would be non-contiguous local
-        # tensors, which FSDP2 (TP x FSDP training) refuses
-        if not isinstance(leaf, SplitRows):
+        if not isinstance(leaf, (SplitRows, SplitProjection)):
             continue
+        leaf.__dict__.pop(CALL, None)
         names = [name for name, _ in leaf.named_children()]
         found = [style_of(".".join(p for p in (path, name) if p)) for name in names]
         call = _style_call(found, mesh)
-        if call is not None and all(isinstance(p, DTensor) for p in leaf.parameters()):
+        if call is None or not all(isinstance(p, DTensor) for p in leaf.parameters()):
+            continue
+        leaf.__dict__[CALL] = call
+        if isinstance(leaf, SplitRows):
             packed += pack(leaf, call=call)
     return packed
 

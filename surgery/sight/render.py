@@ -103,10 +103,21 @@ def plan_text(name: str, p: dict) -> str:
         "  per block: " + (", ".join(f"{kind} {n}" for kind, n in c["per_block"].items()) or "-"),
         *([f"  ({c['note']})"] if c.get("note") else []),
     ]
+    padding = p.get("padding")
+    if padding:
+        heads = ", ".join(f"{a} -> {b}" for a, b in padding["heads"])
+        lines += [
+            f"  zero heads: {heads} on {padding['attentions']} attentions (the mesh does not divide the heads; "
+            "tensor_parallel(..., pad_heads=True))",
+            f"    cost per rank: {mb(padding['bytes_per_rank'])} of zero weights, "
+            f"{padding['projection_flops_per_token_per_rank'] / 1e6:,.2f} MFLOP per token in projections, "
+            f"{padding['attention_flops_per_token_per_key_per_rank']:,} FLOP per query-key pair in attention",
+        ]
     if p["heads"]:
         line = "  heads per rank:"
         for r, (a, b) in enumerate(p["heads"]):
-            item = f" rank {r}: {a}-{b - 1}" + ("," if r < len(p["heads"]) - 1 else "")
+            item = (f" rank {r}: {a}-{b - 1}" if b > a else f" rank {r}: zero heads only") + (
+                "," if r < len(p["heads"]) - 1 else "")
             if len(line) + len(item) > 100:
                 lines.append(line)
                 line = "   "

@@ -23,7 +23,8 @@ from surgery.core.rewrite import unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.context_parallel import context_parallel
 from surgery.parallel.distributed import CollectiveCounter, fake_process_group
-from surgery.parallel.plans import check_plan, linear_placements, planned_for
+from surgery.parallel.padding import cost as padding_cost, head_paddings
+from surgery.parallel.plans import block_path, check_plan, linear_placements, planned_for
 from surgery.parallel.tensor_parallel import tensor_parallel
 
 
@@ -280,9 +281,10 @@ def export_graph(module: nn.Module, args: tuple, kwargs: dict | None = None) -> 
 
 
 def heads_by_rank(heads: int, world: int) -> list[range]:
-    """Which attention heads each rank owns under column sharding of q/k/v (contiguous blocks)."""
-    per = heads // world
-    return [range(rank * per, (rank + 1) * per) for rank in range(world)]
+    """Which attention heads each rank owns under column sharding of q/k/v (contiguous blocks); with zero heads
+    padded up to a multiple of `world`, the real ones each rank holds (the last ranks hold the zero ones)."""
+    per = -(-heads // world)
+    return [range(min(rank * per, heads), min((rank + 1) * per, heads)) for rank in range(world)]
 
 
 # --- planning without the hardware ---------------------------------------------------------------------------------
@@ -309,7 +311,10 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         model = model_on_meta(family, config, dtype)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         unfuse(model)
-        tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None)
+        # heads the mesh does not divide: planned as `tensor_parallel(..., pad_heads=True)` shards them, with the cost
+        found = head_paddings(model, planned_for(model), tp, lambda path: block_path(model, path)[0])
+        padding = padding_cost(model, found, tp) if found else None
+        tensor_parallel(model, init_device_mesh("cpu", (tp,)), src_data_rank=None, pad_heads=bool(found))
         layout = tp_layout(model)
         whole = declared_whole(model)
         try:
@@ -336,6 +341,7 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
         "collectives": collectives,
         "tokens": {"image": image_tokens, "text": text_tokens, "batch": batch},
         "heads": [(r.start, r.stop) for r in heads_by_rank(heads, tp)] if isinstance(heads, int) else None,
+        "padding": padding,
     }
 
 

@@ -6,6 +6,9 @@ Load it with `-p plugin` (this folder on `PYTHONPATH`; `run.py` does both). Opti
   exists: after `__init__` (what `from_config` and the tests' `model_class(**init_dict)` call) and after
   `from_pretrained` (which builds the model first and loads the stock checkpoint into it, so the unfuse waits until
   the weights are in). Without the option the plugin only provides the stand-ins (the stock run).
+- `--surgery-streams-off`: diffusers' group-offloading tests run on the CPU as they run on an accelerator, with
+  `enable_group_offload(use_stream=False, record_stream=False)` (a CPU has no streams) and without their "requires a
+  hardware accelerator" / "requires accelerator+PyTorch" skip (the CPU is the onload device); both runs of a comparison take the same option.
 - Stand-ins (always on): diffusers' pipeline and LoRA tests read a few tiny tokenizers, configs and text encoders
   from the Hub (`hf-internal-testing/tiny-random-t5`, `-clip`, `-Qwen2VLForConditionalGeneration`). There is no
   Hub here: the plugin builds local folders of the same kind (BPE tokenizers trained on a few sentences, a T5 encoder
@@ -31,17 +34,46 @@ UNFUSED: list[str] = []  # class names of the models unfused in this session (fo
 def pytest_addoption(parser):
     parser.addoption("--surgery-unfuse", action="store_true", default=False,
                      help="unfuse every registered family's model after it is built or loaded")
+    parser.addoption("--surgery-streams-off", action="store_true", default=False,
+                     help="group offloading without CUDA streams (use_stream=False, record_stream=False)")
 
 
 def pytest_configure(config):
     _install_standins()
     if config.getoption("--surgery-unfuse"):
         _install_unfuse()
+    if config.getoption("--surgery-streams-off"):
+        _install_streams_off()
 
 
 def pytest_report_header(config):
     mode = "unfused (surgery.unfuse after every build/load)" if config.getoption("--surgery-unfuse") else "stock"
     return f"surgery diffusers-suites plugin: {mode}"
+
+
+_ACCELERATOR = ("test requires a hardware accelerator", "test requires accelerator+PyTorch")  # new and old mixins
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--surgery-streams-off"):
+        return
+    for item in items:
+        if "group_offloading" in item.name:
+            markers = item.iter_markers  # the class's skip mark reaches the item through this (skipping reads it)
+            item.iter_markers = lambda name=None, _markers=markers: (
+                m for m in _markers(name) if not (m.name == "skipif" and m.kwargs.get("reason") in _ACCELERATOR))
+
+
+def _install_streams_off() -> None:
+    from diffusers import ModelMixin
+
+    enable = ModelMixin.enable_group_offload
+
+    @functools.wraps(enable)
+    def enable_group_offload(self, *args, **kwargs):
+        return enable(self, *args, **dict(kwargs, use_stream=False, record_stream=False))
+
+    ModelMixin.enable_group_offload = enable_group_offload
 
 
 # --- unfuse after build / load ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Run diffusers' own model, pipeline and LoRA test files for every supported family, stock and unfused.
 
     python tests/diffusers_suites/run.py --diffusers PATH [--family flux1 ...] [--kind model pipeline lora]
-                                         [--jobs 1] [--timeout 900] [--out results.json]
+                                         [--timeout 900] [--out results.json] [-k EXPR] [--streams-off]
 
 PATH is a checkout of diffusers' repository (its `tests/` folder; the PyPI package ships none). Each file runs twice in
 its own pytest process (`-p plugin`, see plugin.py): once stock, once with `--surgery-unfuse`. The table gives
@@ -127,11 +127,11 @@ HUB = re.compile(r"huggingface\.co|LocalEntryNotFound|offline mode|HF_HUB_OFFLIN
                  r"Network is unreachable|ConnectionError|does not appear to have a file named", re.I)
 
 
-def run_file(diffusers: Path, test_file: str, unfused: bool, timeout: int, env: dict) -> dict:
+def run_file(diffusers: Path, test_file: str, unfused: bool, timeout: int, env: dict, extra: tuple = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix="surgery-suite-") as tmp:
         xml = os.path.join(tmp, "junit.xml")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "plugin", "-p", "no:cacheprovider", "-o", "addopts=",
-               f"--junitxml={xml}", test_file]
+               f"--junitxml={xml}", *extra, test_file]
         if unfused:
             cmd.append("--surgery-unfuse")
         start = time.time()
@@ -166,12 +166,16 @@ def main(argv=None) -> int:
     parser.add_argument("--file", nargs="*", default=None, help="only these files (substrings of their paths)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and run")
     parser.add_argument("--out", type=Path, default=None, help="write every result as JSON here")
+    parser.add_argument("-k", dest="select", default=None, help="only the tests pytest's -k expression selects")
+    parser.add_argument("--streams-off", action="store_true",
+                        help="group offloading without accelerator streams (the plugin's --surgery-streams-off)")
     args = parser.parse_args(argv)
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parents[1]), env.get("PYTHONPATH", "")])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("SURGERY_STANDINS", tempfile.mkdtemp(prefix="surgery-standins-"))
+    extra = (("-k", args.select) if args.select else ()) + (("--surgery-streams-off",) if args.streams_off else ())
     results = {}
     if args.out and args.out.exists():
         results = json.loads(args.out.read_text())
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
                     continue
                 row = {"family": family, "kind": kind}
                 for mode in ("stock", "unfused"):
-                    row[mode] = run_file(args.diffusers, test_file, mode == "unfused", args.timeout, env)
+                    row[mode] = run_file(args.diffusers, test_file, mode == "unfused", args.timeout, env, extra)
                 results[test_file] = row
                 print(line(test_file, row), flush=True)
                 for name, why in regressions(row).items():

@@ -1,0 +1,122 @@
+"""Any attention processor, unmodified: the heads as DTensors.
+
+The head-dim twin (`surgery.core.leaves`) covers processors that read the stored head count only to reshape. Others
+read it for more (`num_kv_heads` for grouped queries, `out_dim` to reshape back, a full-width gate). DTensor already
+knows global shapes, so the stock processor runs as it is once its q/k/v leave their colwise Linears as DTensors
+sharded on the last dim (`ColwiseParallel(use_local_output=False)`): `view(b, -1, attn.heads, head_dim)` is then a
+shard over heads, attention runs on each rank's heads, the merge back to `out_dim` is a shard on the last dim again,
+and the output projection takes it rowwise (`RowwiseParallel()` accepts a DTensor `Shard(-1)` input as it is).
+
+`ImplicitReplication` is the attention module's own style: its remaining parameters (per-head norm weights, scales)
+become replicated DTensors, so their gradients are summed over ranks, and plain tensors the processor meets on the
+way (rotary tables, masks) are taken as replicated while the module runs, forward and backward
+(`torch.distributed.tensor.experimental.implicit_replication`, entered by hooks: wiring, no code in forward).
+
+Nothing here can be silently wrong where DTensor would redistribute: a view or `repeat_interleave` that DTensor
+cannot keep sharded gathers instead, which shows as a collective the conformance suite counts. What could be silently
+wrong is a rank's local tensor taken as replicated; inside the attention only the output projection returns a local
+tensor, and it ends the processor's DTensor flow.
+
+torch 2.13 has no sharding rule for the CPU flash-attention op that `scaled_dot_product_attention` runs on CPU (CUDA's
+flash, efficient and cuDNN ops have theirs), so DTensor would gather q/k/v there; `register_cpu_attention_sharding`
+gives it the rule the CUDA ops have: batch or heads sharded alike in q, k, v, output and statistics, a mask sharded
+where it holds one entry per head or batch and replicated where it broadcasts.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.experimental import implicit_replication, register_sharding
+from torch.distributed.tensor.parallel import ParallelStyle
+from torch.utils._pytree import tree_map_only
+
+_state = threading.local()
+
+
+def _enter(mesh: DeviceMesh) -> None:
+    """Take plain tensors as replicated until `_exit`: in the ops the forward runs (implicit replication), and in
+    those its backward runs, which meet the plain tensors the forward saved (the backward of `q * cos` multiplies by
+    `cos`): each is saved as a `Replicate` DTensor of the mesh (a view, no copy)."""
+
+    pack = functools.partial(replicated, mesh=mesh)
+    contexts = (implicit_replication(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor))
+    for context in contexts:
+        context.__enter__()
+    _state.stack = [*getattr(_state, "stack", []), contexts]
+
+
+def _exit() -> None:
+    contexts = _state.stack.pop()
+    for context in reversed(contexts):
+        context.__exit__(None, None, None)
+    if _state.stack:  # torch's exit switches implicit replication off, also for an enclosing module still running
+        outer = implicit_replication()
+        outer.__enter__()
+        _state.stack[-1] = (outer, _state.stack[-1][1])
+
+
+def replicated(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """A plain tensor as a `Replicate` DTensor of `mesh` (its gradient, where it needs one, reduced back to a plain
+    tensor by `from_local`'s backward); a DTensor as it is."""
+    if isinstance(tensor, DTensor):
+        return tensor
+    return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+class ImplicitReplication(ParallelStyle):
+    """The style of an attention module whose processor runs on DTensor q/k/v (its Linears colwise with
+    `use_local_output=False`, its output projections rowwise): its parameters not yet placed become `Replicate`
+    DTensors (their gradients summed over ranks), so do the tensors it is called with (hidden states, rotary tables,
+    masks: every rank holds them whole; a gradient they need comes back reduced), and while it runs the plain tensors
+    it makes count as replicated, in its forward and in the backward of what its forward computed (`_enter`). No
+    collective of its own in forward."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        register_cpu_attention_sharding()
+
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    placed = DTensor.from_local(param.detach(), mesh, (Replicate(),), run_check=False)
+                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        def enter(mod, args, kwargs):
+            _enter(mesh)
+            return tree_map_only(torch.Tensor, functools.partial(replicated, mesh=mesh), (args, kwargs))
+
+        distribute_module(module, mesh, replicate)
+        module.register_forward_pre_hook(enter, with_kwargs=True)
+        module.register_forward_hook(lambda mod, args, out: _exit(), always_call=True)
+        return module
+
+
+@functools.cache
+def register_cpu_attention_sharding() -> None:
+    """DTensor's sharding rule for `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, as torch's
+    own for the CUDA flash op (see the module docstring)."""
+    aten = torch.ops.aten
+
+    def mask_placement(mask, dim: int):
+        if mask is None:
+            return None
+        return Shard(dim) if mask.ndim == 4 and mask.shape[dim] > 1 else Replicate()
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):
+        out = [([Shard(d), Shard(d)], [Shard(d), Shard(d), Shard(d), None, None, mask_placement(attn_mask, d), None])
+               for d in (1, 0)]
+        whole = None if attn_mask is None else Replicate()
+        return [*out, ([Replicate(), Replicate()], [Replicate(), Replicate(), Replicate(), None, None, whole, None])]
+
+    @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def backward(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, attn_mask=None,
+                 scale=None):
+        sharded = [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, mask_placement(attn_mask, d), None]) for d in (1, 0)]
+        whole = None if attn_mask is None else Replicate()
+        return [*sharded, ([Replicate()] * 3, [Replicate()] * 6 + [None, None, whole, None])]

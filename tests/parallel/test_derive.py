@@ -1,0 +1,263 @@
+"""The derivation engine (`surgery.parallel.derive`) against what exists: diffusers' own `_tp_plan` for FLUX.1,
+FLUX.2 and QwenImage (the attention projections and FeedForwards it plans are planned alike by derivation, read off
+the stock model), and its refusals, one line naming what it found."""
+
+from __future__ import annotations
+
+import unittest
+from fnmatch import fnmatchcase
+
+import diffusers
+import torch
+import torch.nn as nn
+from parameterized import parameterized
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+import conformance_worker as W
+import surgery
+from surgery.core.registry import model_class, tp_plan_for
+from surgery.testing import assert_unchanged, snapshot
+from surgery.parallel.distributed import fake_process_group
+from surgery.parallel.families import all_reduces
+from surgery.parallel.plans import planned_for, transformer_blocks
+from surgery.parallel.derive import (
+    AcrossHeadsNorm,
+    Refused,
+    RotaryAcrossWidth,
+    attention_plan,
+    derived,
+    feed_forward_parts,
+    is_attention,
+    projection_plan,
+    single_stream_parts,
+)
+
+STOCK = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def derived_linear_styles(model: nn.Module) -> dict[str, type]:
+    """Path -> style class for every Linear the derivation plans in the stock model's blocks: attention projections
+    by `projection_plan`, FeedForwards by their registered shared plan."""
+    out = {}
+    for block, module in transformer_blocks(model):
+        for key, child in module.named_modules():
+            path = f"{block}.{key}" if key else block
+            # the parts diffusers packs (a gated FF's fused rows, cat([attn, mlp])) are Packed* styles there, left out
+            parts, ff = single_stream_parts(child), feed_forward_parts(child)
+            plan = projection_plan(child) if is_attention(child) else (
+                tp_plan_for(child)[0] if type(child).__name__ == "FeedForward" else
+                {parts[1]: ColwiseParallel()} if parts else
+                {ff[1]: RowwiseParallel(), **({} if ff[2] else dict.fromkeys(ff[0], ColwiseParallel()))} if ff else None)
+            if isinstance(plan, dict):
+                for name, style in plan.items():
+                    if isinstance(child.get_submodule(name), nn.Linear):
+                        out[f"{path}.{name}"] = type(style)
+    return out
+
+
+class AgainstDiffusersTpPlan(unittest.TestCase):
+    @parameterized.expand([("flux1",), ("flux2",), ("qwen-image",), ("qwen-image-2.1",)])
+    def test_derived_styles_equal_diffusers_tp_plan(self, family_name):
+        family = W.families()[family_name]
+        cls = model_class(family)
+        torch.manual_seed(0)
+        model = cls(**next(iter(family.test_configs.values())))  # the stock model, not unfused
+        theirs = {key: STOCK[style] for key, style in cls._tp_plan.items() if isinstance(style, str)}
+        ours = derived_linear_styles(model)
+        # every string entry of diffusers' plan names Linears the derivation plans the same way
+        matched = set()
+        for key, style in theirs.items():
+            hits = [path for path in ours if fnmatchcase(path, key)]
+            self.assertTrue(hits, f"{key}: derived nothing")
+            for path in hits:
+                self.assertIs(ours[path], style, path)
+            matched.update(hits)
+        # and the derivation plans nothing else among the Linears diffusers' plan places in these modules
+        self.assertEqual(sorted(set(ours) - matched), [])
+
+
+class Refusals(unittest.TestCase):
+    def test_a_processor_that_reads_the_head_count_runs_on_dtensors_until_its_twin_runs(self):
+        from surgery.parallel.dtensor_attention import ImplicitReplication
+
+        torch.manual_seed(0)
+        model = diffusers.SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, num_layers=1,
+                                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                                caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+                                                pos_embed_max_size=8)
+        plan = attention_plan(model.transformer_blocks[0].attn)  # the stock JointAttnProcessor2_0: no twin yet
+        self.assertIsInstance(plan[""], ImplicitReplication)
+        self.assertFalse(plan["to_q"].use_local_output)
+        surgery.unfuse(model)  # its twin, the faster path, takes over
+        plan = attention_plan(model.transformer_blocks[0].attn)
+        self.assertNotIn("", plan)
+        self.assertTrue(plan["to_q"].use_local_output)
+
+    def test_a_torch_rms_norm_across_heads_is_refused_until_unfused(self):
+        torch.manual_seed(0)
+        model = diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"])
+        attn = model.blocks[0].attn1
+        plan = projection_plan(attn)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("norm_q is a torch.nn.RMSNorm across heads (32 = heads x 8)", plan.reason)
+        unfused = surgery.unfuse(model)
+        plan = attention_plan(unfused.blocks[0].attn1)
+        self.assertIsInstance(plan["norm_q"], AcrossHeadsNorm)
+        self.assertEqual({k for k, v in plan.items() if isinstance(v, RowwiseParallel)}, {"to_out.0"})
+
+    def test_a_linear_without_a_rule_is_refused_by_name(self):
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
+        attn = model.blocks[0].attn1
+        self.assertIsInstance(derived(attn), dict)
+        attn.to_gate = nn.Linear(32, 3)  # not one output per head (4)
+        plan = derived(attn)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("`to_gate` (32 -> 3) has no derivation rule", plan.reason)
+
+    def test_a_per_head_gate_is_colwise_with_the_heads_and_one_of_another_input_is_refused(self):
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
+        attn = model.blocks[0].attn1
+        attn.to_gate_logits = nn.Linear(32, 4)  # the query's input -> one logit per head (LTX-2's gated attention)
+        self.assertIs(type(derived(attn)["to_gate_logits"]), ColwiseParallel)
+        attn.to_gate_logits = nn.Linear(16, 4)  # another input: what it reads is not known
+        self.assertIn("`to_gate_logits` (16 -> 4) has no derivation rule", derived(attn).reason)
+
+
+class Rotary(unittest.TestCase):
+    """`RotaryAcrossWidth` against diffusers' own rotations of the whole width: a rank's local q rotated by its share
+    of the tables equals its columns of q rotated whole, for both layouts LTX-2 writes and LTX-Video's."""
+
+    def rotated_share(self, rotate, tables, world, rank, positional=False):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from surgery.parallel.distributed import fake_process_group
+
+        class Rotating(nn.Module):
+            def forward(self, query, query_rotary_emb=None, key_rotary_emb=None):
+                return rotate(query, query_rotary_emb)
+
+        query = torch.randn(2, tables[0].shape[-2] if tables[0].ndim == 4 else tables[0].shape[1], 32,
+                            generator=torch.Generator().manual_seed(rank))
+        width = 32 // world
+        with fake_process_group(world, rank):
+            module = RotaryAcrossWidth("query_rotary_emb", "key_rotary_emb")._apply(
+                Rotating(), init_device_mesh("cpu", (world,)))
+            local = query[..., rank * width:(rank + 1) * width]
+            got = module(local, tables) if positional else module(local, query_rotary_emb=tables)
+        return got, rotate(query, tables)[..., rank * width:(rank + 1) * width]
+
+    def test_split_tables_by_heads_interleaved_by_width(self):
+        from diffusers.models.transformers import transformer_ltx as ltx, transformer_ltx2 as ltx2
+
+        coords = torch.rand(2, 3, 6, 2) * 100
+        cases = [
+            (ltx2.apply_split_rotary_emb,
+             ltx2.LTX2AudioVideoRotaryPosEmbed(dim=32, rope_type="split", num_attention_heads=4)(coords)),
+            (ltx2.apply_interleaved_rotary_emb, ltx2.LTX2AudioVideoRotaryPosEmbed(dim=32)(coords)),
+            # 32 % 6: two padding entries (cos 1, sin 0) lead LTX-Video's tables
+            (ltx.apply_rotary_emb, ltx.LTXVideoRotaryPosEmbed(dim=32)(torch.zeros(2, 6, 32), 1, 2, 3, (0.3, 32, 32))),
+        ]
+        for rotate, tables in cases:
+            for world, rank, positional in ((2, 1, False), (4, 2, True)):
+                got, expected = self.rotated_share(rotate, tables, world, rank, positional)
+                self.assertTrue(torch.equal(got, expected), (rotate.__name__, world, rank))
+
+    def test_tables_the_mesh_cannot_split_like_the_heads_are_refused(self):
+        from diffusers.models.transformers import transformer_ltx2 as ltx2
+
+        tables = ltx2.LTX2AudioVideoRotaryPosEmbed(dim=24, rope_type="split", num_attention_heads=3)(
+            torch.rand(1, 3, 4, 2))
+        with self.assertRaisesRegex(surgery.SurgeryError, r"rotary table of shape \(1, 3, 4, 4\) has 3 entries on "
+                                                          r"dim 1, which a mesh of 2 cannot split"):
+            self.rotated_share(ltx2.apply_split_rotary_emb, tables, 2, 0)
+
+    def test_ltx_attention_plans_name_their_rotary_arguments_and_gates(self):
+        for family_name, config_name, names in (("ltx-video", "tiny", ("image_rotary_emb",)),
+                                                ("ltx-2", "tiny", ("query_rotary_emb", "key_rotary_emb"))):
+            _, _, model = W.make(family_name, config_name)
+            model = surgery.unfuse(model)
+            attention = [m for m in model.modules() if is_attention(m)]
+            self.assertTrue(attention)
+            for attn in attention:
+                plan = derived(attn)
+                self.assertEqual(plan[""].names, names)
+                gates = getattr(attn, "to_gate_logits", None)
+                self.assertEqual("to_gate_logits" in plan, gates is not None)
+
+    def test_a_per_head_parameter_of_an_attention_is_refused_by_name(self):
+        # Helios with is_amplify_history: its processor scales the history keys by one parameter per head, whole on
+        # every rank; the published Helios transformers leave it off
+        torch.manual_seed(0)
+        config = {**W.families()["helios"].test_configs["tiny"], "is_amplify_history": True}
+        model = surgery.unfuse(diffusers.HeliosTransformer3DModel(**config))
+        plan = derived(model.blocks[0].attn1)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("own parameter `history_key_scale` (4,) has no derivation rule", plan.reason)
+        self.assertIsInstance(derived(model.blocks[0].attn2), dict)  # the cross attention holds none
+        snap = snapshot(model)
+        with fake_process_group(2), self.assertRaises(surgery.SurgeryError) as caught:
+            surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)), src_data_rank=None)
+        self.assertIn("no plan derived for 'blocks.0.attn1': its own parameter `history_key_scale`",
+                      str(caught.exception))
+        assert_unchanged(model, snap)
+
+
+class SharedParts(unittest.TestCase):
+    def test_norms_across_heads_on_the_shared_attention_take_their_statistic(self):
+        # Sana-Sprint's `rms_norm_across_heads` on diffusers' shared `Attention`: the registered `Attention` plan
+        # (norms per head) declines it, so each norm gets `AcrossHeadsNorm` (weight Shard(0), one all-reduce of a
+        # number per token), not a replicated weight over a width it cannot see whole
+        torch.manual_seed(0)
+        config = W.families()["sana"].test_configs["tiny_sprint"]
+        model = surgery.unfuse(diffusers.SanaTransformer2DModel(**config))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        for attention in ("attn1", "attn2"):
+            plan = plans[f"transformer_blocks.0.{attention}"]
+            self.assertEqual({k for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)}, {"norm_q", "norm_k"})
+        self.assertEqual(sum(all_reduces(s) for p in plans.values() for s in p.values()),
+                         config["num_layers"] * 2 * (1 + 2))  # per block, per attention: to_out.0 and two norms
+
+    def test_the_processor_rule_reads_a_streams_local_width(self):
+        # HiDream's processor takes the head size from its image stream's key (`inner_dim = key_i.shape[-1]`)
+        from diffusers.models.transformers.transformer_hidream_image import HiDreamAttnProcessor
+
+        from surgery.core.leaves import edited_source, rule_edits
+
+        self.assertIsNotNone(rule_edits(HiDreamAttnProcessor))
+        source = edited_source(HiDreamAttnProcessor)
+        self.assertNotIn("attn.heads, head_dim", source)
+        self.assertEqual(source.count("view(batch_size, -1, inner_dim // head_dim, head_dim)"), 6)
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+class AllReduces(unittest.TestCase):
+    @parameterized.expand([(f.name,) for f in W.conformant_families()])
+    def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
+        # the hand-written families' counts (lambdas over the config) are independent of `all_reduces`
+        family = W.families()[family_name]
+        for config in family.test_configs.values():
+            with torch.device("meta"):  # the class as is: a test config may lie outside the published range
+                model = surgery.extend.unfuse(model_class(family)(**config))
+            styled = [(model.get_submodule(".".join(p for p in (path, key) if p)), style)
+                      for path, _, plan in planned_for(model) for key, style in plan.items()]
+            # planned modules the forward never calls make none (SANA-WM's refiner keeps LTX-2's audio stream unused)
+            called = set()
+            hooks = [m.register_forward_pre_hook(lambda mod, args: called.add(id(mod))) for m, _ in styled]
+            try:
+                with torch.no_grad():
+                    model(**family.example_inputs(config, device="meta"))
+            except Exception:  # noqa: BLE001 - a forward that needs real values: every planned module taken as called
+                called = {id(m) for m, _ in styled}
+            for hook in hooks:
+                hook.remove()
+            read = sum(all_reduces(style) for m, style in styled if id(m) in called)
+            # at least one per planned style; more where a forward runs a module twice (CogView4's blocks run one
+            # feed-forward on both streams): the exact number is what the conformance world-2 job measures
+            self.assertGreaterEqual(family.count_all_reduces(config), read)
+            self.assertLessEqual(family.count_all_reduces(config), 2 * read)

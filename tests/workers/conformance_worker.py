@@ -1,0 +1,147 @@
+"""The conformance checks every registered family gets, as plain functions: single-device ones run in pytest, the
+tensor-parallel ones on each gloo rank of one spawned job per world size."""
+
+from __future__ import annotations
+
+import copy
+import zlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import surgery
+from surgery.sight.report import local, local_bytes
+from surgery.core.registry import Family, families, model_class
+from surgery.testing import (BF16_TOL, FP32_GRAD_TOL, FP32_TOL, CollectiveCounter,  # noqa: F401 - the tests read them here
+                             diffusers_packed_tp, rel_err, seeded_model)
+
+
+
+def grad_tolerance(family: Family) -> float:
+    """The bound on sharded-vs-whole gradients: float32's, or bfloat16's where the stock forward itself rounds to
+    bfloat16 in float32 (`Family.rounds_to`), whose backward rounds the gradients there too."""
+    return BF16_TOL if family.rounds_to == torch.bfloat16 else FP32_GRAD_TOL
+
+
+def conformant_families() -> list[Family]:
+    """Families with a model to build: published variants and small test configs. A family with variants and no test
+    configs is not silently left out of the proof: `test_conformance.EveryFamily` fails on it."""
+    return [f for f in families().values() if f.variants and f.test_configs]
+
+
+def family_cases(tp_only: bool = False) -> list[tuple[str, str]]:
+    """`(family, test config)` for every family; `tp_only`: the first test config of each (what runs sharded)."""
+    cases = []
+    for family in conformant_families():
+        names = list(family.test_configs)
+        cases += [(family.name, name) for name in (names[:1] if tp_only else names)]
+    return cases
+
+
+def make(family_name: str, config_name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    family = families()[family_name]
+    config = dict(family.test_configs[config_name])
+    return family, config, seeded_model(family, config, seed, dtype)
+
+
+def inputs(family: Family, config: dict, seed: int, dtype: torch.dtype = torch.float32, batch: int = 2) -> dict:
+    return family.example_inputs(config, batch=batch, image_tokens=16, text_tokens=8, seed=seed, dtype=dtype)
+
+
+def output(model: nn.Module, kw: dict) -> torch.Tensor:
+    out = model(**kw, return_dict=False)
+    out = out[0] if isinstance(out, tuple) else out  # Kandinsky 5 returns its sample itself, not a tuple
+    return torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one tensor per sample
+
+
+def floating_inputs(kw: dict) -> list[str]:
+    return [k for k, v in kw.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2]
+
+
+def gradients(model: nn.Module, kw: dict, seed: int) -> tuple[dict, dict]:
+    """Input and parameter gradients of a seeded random projection of the output."""
+    kw = {k: v.detach().clone().requires_grad_(True) if k in floating_inputs(kw) else v for k, v in kw.items()}
+    out = output(model, kw)
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)).sum().backward()
+    params = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+              for n, p in model.named_parameters() if p.grad is not None}
+    return {k: kw[k].grad for k in floating_inputs(kw)}, params
+
+
+def gradient_errors(got: dict, ref: dict) -> dict[str, float]:
+    """Per parameter: max |got - ref| over the largest reference gradient of its module (its own for a weight; the
+    weight's for a bias). A mathematically vanishing gradient (a key bias without QK-norm: softmax ignores it) is
+    rounding noise, so it is compared on the scale of its projection's gradients, not on its own."""
+    scale: dict[str, float] = {}
+    for n, g in ref.items():
+        module = n.rpartition(".")[0]
+        scale[module] = max(scale.get(module, 0.0), g.abs().max().item())
+    return {n: ((got[n].double() - g.double()).abs().max() / max(scale[n.rpartition(".")[0]], 1e-30)).item()
+            for n, g in ref.items()}
+
+
+def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int) -> dict:
+    """Sharded unfused model vs the single-device fused one: forward, gathered gradients, collectives, bytes."""
+    family, config, fused = make(family_name, config_name, seed)
+    mesh = init_device_mesh("cpu", (world,))
+    kw = inputs(family, config, seed)
+    result = {}
+    with torch.no_grad():
+        expected = output(fused, kw)
+        model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh)
+        with CollectiveCounter() as ours:
+            result["forward"] = rel_err(output(model, kw), expected)
+        result["collectives"] = dict(ours.counts)
+        if getattr(model_class(family), "_tp_plan", None) is not None:
+            packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
+            with CollectiveCounter() as theirs:
+                result["diffusers_forward"] = rel_err(output(packed, kw), expected)
+            result["diffusers_collectives"] = dict(theirs.counts)
+    result["expected_all_reduces"] = family.count_all_reduces(config) if family.count_all_reduces else None
+
+    unfused = surgery.unfuse(copy.deepcopy(fused))
+    sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    sharded_bytes = sum(p.nbytes for n, p in unfused.named_parameters() if n in sharded)
+    result["bytes"] = local_bytes(model)
+    result["expected_bytes"] = local_bytes(unfused) - sharded_bytes + sharded_bytes // world
+    result["sharded_params"] = len(sharded)
+
+    (ref_in, ref), (tp_in, tp) = gradients(fused, kw, seed), gradients(model, kw, seed)
+    tp = surgery.state_dict.fuse_state_dict(tp, surgery.state_dict.weight_slices(model)) if surgery.state_dict.weight_slices(model) else tp
+    result["grad_keys_match"] = sorted(tp) == sorted(ref)
+    result["param_grads"] = max(gradient_errors(tp, ref).values())
+    result["input_grads"] = max((rel_err(tp_in[k], g) for k, g in ref_in.items()), default=0.0)
+    return result
+
+
+def tp_load_case(rank: int, world: int, family_name: str, config_name: str, seed: int, folder: str) -> dict:
+    """`load_tensor_parallel` of a fused checkpoint equals `unfuse` + `tensor_parallel` of the model, bitwise."""
+    family, config, fused = make(family_name, config_name, seed)
+    mesh = init_device_mesh("cpu", (world,))
+    loaded = surgery.load_tensor_parallel(model_class(family), folder, mesh, progress=False)
+    reference = surgery.tensor_parallel(surgery.unfuse(fused), mesh, src_data_rank=None)
+    mismatched = [
+        n for n, p in reference.named_parameters()
+        if type(p) is not type(loaded.get_parameter(n))
+        or (isinstance(p, DTensor) and p.placements != loaded.get_parameter(n).placements)
+        or not torch.equal(local(p), local(loaded.get_parameter(n)))
+    ]
+    return {"mismatched": mismatched}
+
+
+def case_seed(family_name: str, config_name: str) -> int:
+    """The seed of a sharded case, read off its name: the same on every rank, and unchanged when families are added
+    (a seed by position would redraw every later case's weights)."""
+    return zlib.crc32(f"{family_name}/{config_name}".encode()) % 10_000
+
+
+def run(rank: int, world: int, cases: list[tuple[str, str]], checkpoints: dict) -> dict:
+    out = {}
+    for family_name, config_name in cases:
+        key = f"{family_name}/{config_name}"
+        out[key] = tp_case(rank, world, family_name, config_name, case_seed(family_name, config_name))
+        if key in checkpoints:
+            out[key]["load"] = tp_load_case(rank, world, family_name, config_name, *checkpoints[key])
+    return out
