@@ -177,11 +177,21 @@ def shard_lora(model: nn.Module, mesh=None, *, src_data_rank: int | None = 0) ->
 
 
 def _factor_checksums(model: nn.Module, layers: list) -> dict[str, dict]:
-    """A sampled checksum of each factor not yet laid out (plain tensors: each rank's own), by its path."""
+    """A sampled checksum of each whole factor not yet laid out (plain tensors: each rank's own), by its path.
+
+    Factors PEFT sized to the base's local shard are each rank's own shard (see `lay_out`): they differ by design."""
     paths = {id(module): path for path, module in model.named_modules()}
-    factors = {f"{paths[id(layer)]}.{kind}.{name}.weight": getattr(layer, kind)[name].weight
-               for layer, name, _ in layers for kind in ("lora_A", "lora_B")}
-    return {"weights": {key: sampled_checksum(f) for key, f in factors.items() if not isinstance(f, DTensor)}}
+    checksums = {}
+    for layer, name, _ in layers:
+        base = layer.get_base_layer()
+        a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+        for kind, factor, whole in (("lora_A", a, (a.shape[0], base.in_features)),
+                                    ("lora_B", b, (base.out_features, b.shape[1]))):
+            if not isinstance(factor, DTensor) and tuple(factor.shape) == whole:
+                checksums[f"{paths[id(layer)]}.{kind}.{name}.weight"] = sampled_checksum(factor)
+    return {"weights": checksums}
+
+
 def _padded_factors(model: nn.Module) -> Iterator[tuple[str, int, int, int]]:
     """`(factor key without the adapter name, dim, real size, padded size)` for each LoRA factor side that meets a
     zero head (`surgery.core.heads_padding`): lora_B's rows of a padded q/k/v, lora_A's columns of a padded output
