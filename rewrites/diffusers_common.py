@@ -16,7 +16,7 @@ head-dim twins of `surgery.core.leaves`.
 
 The rest is what several family files share beyond plans, kept here so that no family file imports another's
 (except where diffusers' own module imports the other: chroma from flux, hunyuan_video_framepack from
-hunyuan_video): the FLUX-like single block's rewrites and inputs (LongCat-Image, Ovis-Image, Bria, Bria-Fibo,
+hunyuan_video): the undo of diffusers' `fuse_qkv_projections()` (`fused_qkv_rewrite`), the FLUX-like single block's rewrites and inputs (LongCat-Image, Ovis-Image, Bria, Bria-Fibo,
 Motif-Video), the generic `Attention`'s processors (`GENERIC`), one `cast_inputs`, and the published numbers and
 example inputs of models built alike (Wan's for SkyReels-V2, ChronoEdit, Wan-VACE, Wan-Animate and AnyFlow;
 CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video).
@@ -49,6 +49,8 @@ from surgery.extend import (
     SurgeryError,
     columns,
     per_head_norm,
+    recast,
+    row_slices,
     swap_rewrite,
     under,
 )
@@ -321,3 +323,85 @@ FAMILY = Family(
     tp_plans={FeedForward: FEED_FORWARD_TP_PLAN},
     tp_checks={FeedForward: _check_feed_forward},
 )
+
+
+# --- diffusers' fuse_qkv_projections(), undone ------------------------------------------------------------------------
+
+# the Linears diffusers' `AttentionModuleMixin.fuse_projections` concatenates, by the name of the one it adds
+_QKV_FUSIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+
+
+class SplitQKV:
+    """An attention whose `fuse_qkv_projections()` fusion `surgery.unfuse` split back into to_q/to_k/to_v (and
+    add_*_proj), mixed into the stock class it runs exactly as (`class FluxSplitQKVAttention(SplitQKV, FluxAttention)`).
+    The class only records that `surgery.fuse` restores `to_qkv` / `to_added_qkv`. diffusers' `fuse_qkv_projections()`
+    is then a no-op (the projections count as fused already) and `unfuse_qkv_projections()` makes it the stock class,
+    which `fuse` leaves alone: the same end state as on the stock model."""
+
+    def fuse_projections(self) -> None:
+        return None
+
+    def unfuse_projections(self) -> None:
+        self.__class__ = _stock_attention(type(self))  # the same module, its fusion forgotten
+        self.fused_projections = False
+
+
+def _stock_attention(cls: type) -> type:
+    return next(c for c in cls.__mro__ if not issubclass(c, SplitQKV))
+
+
+def _qkv_fusions(m: nn.Module) -> list[tuple[str, list[nn.Linear]]]:
+    """(fused name, its q/k/v Linears) for each fusion `fuse_projections` makes of `m`: stock fusing keeps the q/k/v
+    Linears beside the fused one, so both forms hold them."""
+    return [(fused, [getattr(m, p) for p in parts]) for fused, parts in _QKV_FUSIONS.items()
+            if all(isinstance(getattr(m, p, None), nn.Linear) for p in parts)]
+
+
+def _qkv_slices(m: nn.Module) -> list:
+    slices = []
+    for fused, linears in _qkv_fusions(m):
+        parts = [(name, linear.out_features) for name, linear in zip(_QKV_FUSIONS[fused], linears)]
+        slices += row_slices(fused, parts, "weight")
+        if linears[0].bias is not None:
+            slices += row_slices(fused, parts, "bias")
+    return slices
+
+
+def fused_qkv_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module], *, processors=None,
+                      check=None) -> Rewrite:
+    """The rewrite that undoes diffusers' `fuse_qkv_projections()` on attentions of class `fused`: `to_qkv`
+    (`to_added_qkv`) back into to_q/to_k/to_v (add_*_proj) in an `unfused` (`SplitQKV` mixed into `fused`);
+    `surgery.fuse` restores the stock fused form. `processors(processor, unfusing)`: the processor each form runs
+    where the family rewrites it too (FLUX.3's head-dim twin)."""
+
+    def swap(m: nn.Module, cls: type[nn.Module], unfusing: bool) -> nn.Module:
+        fusions = _qkv_fusions(m)
+        with torch.device("meta"):  # the slices fill them
+            if unfusing:
+                new = recast(m, cls, **{p: nn.Linear(linear.in_features, linear.out_features,
+                                                     bias=linear.bias is not None)
+                                        for fused_name, linears in fusions
+                                        for p, linear in zip(_QKV_FUSIONS[fused_name], linears)})
+                for fused_name, _ in fusions:
+                    del new._modules[fused_name]
+            else:
+                new = recast(m, cls)
+                for fused_name, linears in fusions:
+                    setattr(new, fused_name, nn.Linear(linears[0].in_features, sum(l.out_features for l in linears),
+                                                       bias=linears[0].bias is not None))
+        new.fused_projections = not unfusing
+        if processors is not None:
+            new.set_processor(processors(m.processor, unfusing=unfusing))
+        return new
+
+    return Rewrite(
+        name=name,
+        fused=fused,
+        unfused=unfused,
+        slices=_qkv_slices,
+        build_unfused=lambda m: swap(m, unfused, unfusing=True),
+        build_fused=lambda m: swap(m, fused, unfusing=False),
+        is_fused=lambda m: bool(getattr(m, "fused_projections", False)),
+        in_checkpoints=False,
+        **({} if check is None else {"check": check}),
+    )

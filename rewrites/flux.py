@@ -29,18 +29,21 @@ from diffusers.models.transformers.transformer_flux import (
     FluxTransformer2DModel,
 )
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, SINGLE_BLOCK_TP_PLAN
+from surgery_rewrites.diffusers_common import (
+    DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    SINGLE_BLOCK_TP_PLAN,
+    SplitQKV,
+    fused_qkv_rewrite,
+)
 from surgery.extend import (
     Family,
     Rewrite,
-    Slice,
     SurgeryError,
     check_hooks,
     check_linear,
     columns,
     fuse,
     mesh_sizes_dividing,
-    row_slices,
     swap_rewrite,
     unfuse,
 )
@@ -86,12 +89,8 @@ def flux1_single_block_rewrite(name: str, cls: type[nn.Module]) -> Rewrite:
 # --- fuse_qkv_projections() --------------------------------------------------------------------------------------
 
 
-class FluxSplitQKVAttention(FluxAttention):
-    """A `FluxAttention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v (and add_*_proj).
-
-    It runs exactly as a stock, never-fused `FluxAttention`; the class only records that `surgery.fuse` should
-    restore `to_qkv` / `to_added_qkv`.
-    """
+class FluxSplitQKVAttention(SplitQKV, FluxAttention):
+    """A `FluxAttention` whose `fuse_qkv_projections()` fusion was split back (`SplitQKV`)."""
 
 
 def _qkv_fused(m: nn.Module) -> bool:
@@ -102,71 +101,6 @@ def _qkv_linears(m: nn.Module, fused_form: bool) -> list[tuple[str, nn.Module]]:
     names = ["to_qkv", "to_added_qkv"] if fused_form else ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
                                                             "add_v_proj"]
     return [(n, getattr(m, n)) for n in names if isinstance(getattr(m, n, None), nn.Linear)]
-
-
-def _split_qkv_slices(m: nn.Module) -> list[Slice]:
-    inner = m.inner_dim
-    parts = [("to_q", inner), ("to_k", inner), ("to_v", inner)]
-    slices = row_slices("to_qkv", parts, "weight") + (row_slices("to_qkv", parts, "bias") if m.use_bias else [])
-    if m.added_kv_proj_dim is not None:
-        added = [("add_q_proj", inner), ("add_k_proj", inner), ("add_v_proj", inner)]
-        slices += row_slices("to_added_qkv", added, "weight")
-        if m.added_proj_bias:
-            slices += row_slices("to_added_qkv", added, "bias")
-    return slices
-
-
-def _out_bias(m: nn.Module) -> bool:
-    out = m.to_out[0] if not m.pre_only else getattr(m, "to_add_out", None)
-    return out is None or out.bias is not None
-
-
-def _attention_kwargs(m: nn.Module) -> dict:
-    return dict(
-        query_dim=m.query_dim,
-        heads=m.heads,
-        dim_head=m.head_dim,
-        dropout=m.dropout,
-        bias=m.use_bias,
-        added_kv_proj_dim=m.added_kv_proj_dim,
-        added_proj_bias=m.added_proj_bias,
-        out_bias=_out_bias(m),
-        eps=m.norm_q.eps,
-        # stock semantics: a given out_dim also sets inner_dim (and heads = out_dim // dim_head)
-        out_dim=m.out_dim if m.inner_dim == m.out_dim else None,
-        context_pre_only=m.context_pre_only,
-        pre_only=m.pre_only,
-        elementwise_affine=m.norm_q.weight is not None,
-        processor=m.processor,
-    )
-
-
-_ATTENTION_SHARED = ["norm_q", "norm_k", "to_out", "norm_added_q", "norm_added_k", "to_add_out"]
-_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"]
-
-
-def _adopt(new: nn.Module, old: nn.Module, names: list[str]) -> nn.Module:
-    for name in names:
-        if hasattr(old, name):
-            setattr(new, name, getattr(old, name))
-    return new
-
-
-def _split_qkv(m: FluxAttention) -> FluxSplitQKVAttention:
-    with torch.device("meta"):
-        new = FluxSplitQKVAttention(**_attention_kwargs(m))
-    return _adopt(new, m, _ATTENTION_SHARED)
-
-
-def _join_qkv(m: FluxSplitQKVAttention) -> FluxAttention:
-    """The stock fused form, as `fuse_projections()` leaves it: to_qkv (to_added_qkv) beside to_q/k/v (add_*)."""
-    with torch.device("meta"):
-        new = FluxAttention(**_attention_kwargs(m))
-        new.to_qkv = nn.Linear(m.query_dim, 3 * m.inner_dim, bias=m.use_bias)
-        if m.added_kv_proj_dim is not None:
-            new.to_added_qkv = nn.Linear(m.added_kv_proj_dim, 3 * m.inner_dim, bias=m.added_proj_bias)
-    new.fused_projections = True
-    return _adopt(new, m, _ATTENTION_SHARED + _ATTENTION_PROJECTIONS)
 
 
 def check_single_block(module: nn.Module, path: str, world: int) -> None:
@@ -195,16 +129,7 @@ def check_attention_processor(module: nn.Module, path: str, world: int) -> None:
 
 REWRITES = (
     flux1_single_block_rewrite("flux1.single_block", FluxSingleTransformerBlock),
-    Rewrite(
-        name="flux1.fused_qkv_attention",
-        fused=FluxAttention,
-        unfused=FluxSplitQKVAttention,
-        slices=_split_qkv_slices,
-        build_unfused=_split_qkv,
-        build_fused=_join_qkv,
-        is_fused=_qkv_fused,
-        in_checkpoints=False,
-    ),
+    fused_qkv_rewrite("flux1.fused_qkv_attention", FluxAttention, FluxSplitQKVAttention),
 )
 
 # The double-stream attention (stock, already unfused): heads split across ranks, one all-reduce per output

@@ -30,16 +30,13 @@ from diffusers.models.transformers.transformer_flux2 import (
 )
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM
+from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM, SplitQKV, fused_qkv_rewrite
 from surgery.extend import (
     Family,
-    Rewrite,
-    Slice,
     SurgeryError,
     SPLIT_PROJECTION_TP_PLAN,
     build,
     columns,
-    row_slices,
     rows,
     swap_rewrite,
     under,
@@ -86,107 +83,14 @@ PARALLEL_SELF_ATTENTION_TP_PLAN = {
 }
 
 
-class Flux2SplitQKVAttention(Flux2Attention):
-    """A `Flux2Attention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v (and add_*_proj).
-
-    It runs exactly as a stock, never-fused `Flux2Attention`; the class only records that `surgery.fuse` should
-    restore `to_qkv` / `to_added_qkv`. diffusers' `fuse_qkv_projections()` is then a no-op (the projections count as
-    fused already) and `unfuse_qkv_projections()` makes it a plain `Flux2Attention`, which `fuse` leaves alone: the
-    same end state as on the stock model.
-    """
-
-    def fuse_projections(self) -> None:
-        return None
-
-    def unfuse_projections(self) -> None:
-        # the same module, its fusion forgotten: a plain Flux2Attention with separate q/k/v (as stock unfusing leaves)
-        self.__class__ = Flux2Attention
-        self.fused_projections = False
-
-
-# --- fuse_qkv_projections(): slices and builders ------------------------------------------------------------
-
-
-def _split_qkv_slices(m: nn.Module) -> list[Slice]:
-    inner = m.inner_dim
-    slices = row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "weight")
-    if m.use_bias:
-        slices += row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "bias")
-    if m.added_kv_proj_dim is not None:
-        added = [("add_q_proj", inner), ("add_k_proj", inner), ("add_v_proj", inner)]
-        slices += row_slices("to_added_qkv", added, "weight")
-        if m.added_proj_bias:
-            slices += row_slices("to_added_qkv", added, "bias")
-    return slices
-
-
-# --- builders: the other form's structure on meta, sharing every submodule that is not a slice target -------------
-
-
-def _attention_kwargs(m: nn.Module) -> dict:
-    return dict(
-        query_dim=m.query_dim,
-        heads=m.heads,
-        dim_head=m.head_dim,
-        dropout=m.dropout,
-        bias=m.use_bias,
-        eps=m.norm_q.eps,
-        # stock semantics: a given out_dim also sets inner_dim
-        out_dim=m.out_dim if m.inner_dim == m.out_dim else None,
-        elementwise_affine=m.norm_q.weight is not None,
-    )
-
-
-def _adopt(new: nn.Module, old: nn.Module, names: list[str]) -> nn.Module:
-    for name in names:
-        if hasattr(old, name):
-            setattr(new, name, getattr(old, name))
-    return new
-
-
-_ATTENTION_SHARED = ["norm_q", "norm_k", "to_out", "norm_added_q", "norm_added_k", "to_add_out"]
-_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"]
-
-
-def _attention_kwargs_with_added(m: Flux2Attention) -> dict:
-    return dict(
-        _attention_kwargs(m),
-        added_kv_proj_dim=m.added_kv_proj_dim,
-        added_proj_bias=m.added_proj_bias,
-        out_bias=m.to_out[0].bias is not None,
-        processor=m.processor,
-    )
-
-
-def _split_qkv(m: Flux2Attention) -> Flux2SplitQKVAttention:
-    with torch.device("meta"):
-        new = Flux2SplitQKVAttention(**_attention_kwargs_with_added(m))
-    return _adopt(new, m, _ATTENTION_SHARED)
-
-
-def _join_qkv(m: Flux2SplitQKVAttention) -> Flux2Attention:
-    with torch.device("meta"):
-        new = Flux2Attention(**_attention_kwargs_with_added(m))
-        new.to_qkv = nn.Linear(m.query_dim, 3 * m.inner_dim, bias=m.use_bias)
-        if m.added_kv_proj_dim is not None:
-            new.to_added_qkv = nn.Linear(m.added_kv_proj_dim, 3 * m.inner_dim, bias=m.added_proj_bias)
-    new.fused_projections = True
-    return _adopt(new, m, _ATTENTION_SHARED + _ATTENTION_PROJECTIONS)
+class Flux2SplitQKVAttention(SplitQKV, Flux2Attention):
+    """A `Flux2Attention` whose `fuse_qkv_projections()` fusion was split back (`SplitQKV`)."""
 
 
 REWRITES = (
     PARALLEL_SELF_ATTENTION,
     FEED_FORWARD,
-    Rewrite(
-        name="flux2.fused_qkv_attention",
-        fused=Flux2Attention,
-        unfused=Flux2SplitQKVAttention,
-        slices=_split_qkv_slices,
-        build_unfused=_split_qkv,
-        build_fused=_join_qkv,
-        is_fused=lambda m: bool(getattr(m, "fused_projections", False)),
-        in_checkpoints=False,
-    ),
+    fused_qkv_rewrite("flux2.fused_qkv_attention", Flux2Attention, Flux2SplitQKVAttention),
 )
 
 # The double-stream attention (stock, already unfused): the shared plan, one all-reduce per output projection.

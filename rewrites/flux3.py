@@ -38,15 +38,11 @@ from diffusers.models.transformers.transformer_flux3 import (
 from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
-from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN
+from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, SplitQKV, fused_qkv_rewrite
 from surgery.extend import (
     Family,
     Processors,
-    Rewrite,
-    Slice,
     SurgeryError,
-    recast,
-    row_slices,
     rows,
     swap_rewrite,
     translate,
@@ -61,40 +57,8 @@ def _gate_up(ff: nn.Module) -> list[tuple[str, int]]:
     return [("gate", hidden), ("up", hidden)]
 
 
-class Flux3SplitQKVAttention(Flux3Attention):
-    """A `Flux3Attention` whose `fuse_qkv_projections()` fusion was split back into to_q/to_k/to_v. It runs exactly
-    as a stock, never-fused `Flux3Attention`; the class only records that `surgery.fuse` restores `to_qkv`."""
-
-    def fuse_projections(self) -> None:
-        return None
-
-    def unfuse_projections(self) -> None:
-        self.__class__ = Flux3Attention  # the same module, its fusion forgotten (as stock unfusing leaves it)
-        self.fused_projections = False
-
-
-def _qkv_slices(m: nn.Module) -> list[Slice]:
-    inner = m.inner_dim
-    return row_slices("to_qkv", [("to_q", inner), ("to_k", inner), ("to_v", inner)], "weight")
-
-
-def _split_qkv(m: nn.Module) -> nn.Module:
-    with torch.device("meta"):
-        q, k, v = (nn.Linear(m.query_dim, m.inner_dim, bias=False) for _ in range(3))
-    new = recast(m, Flux3SplitQKVAttention, to_q=q, to_k=k, to_v=v)
-    del new._modules["to_qkv"]
-    new.fused_projections = False
-    new.set_processor(translate(m.processor, unfusing=True))
-    return new
-
-
-def _join_qkv(m: nn.Module) -> nn.Module:
-    new = recast(m, Flux3Attention)
-    with torch.device("meta"):
-        new.to_qkv = nn.Linear(m.query_dim, 3 * m.inner_dim, bias=False)
-    new.fused_projections = True
-    new.set_processor(translate(m.processor, unfusing=False))
-    return new
+class Flux3SplitQKVAttention(SplitQKV, Flux3Attention):
+    """A `Flux3Attention` whose `fuse_qkv_projections()` fusion was split back (`SplitQKV`)."""
 
 
 def _check_qkv(m: nn.Module, path: str, verb: str) -> None:
@@ -105,17 +69,8 @@ def _check_qkv(m: nn.Module, path: str, verb: str) -> None:
 REWRITES = (
     swap_rewrite("flux3.feed_forward", Flux3FeedForward, leaves=(rows("linear_in", _gate_up),)),
     # fuse_qkv_projections(): before the processor rewrite, which would otherwise take the fused module
-    Rewrite(
-        name="flux3.fused_qkv_attention",
-        fused=Flux3Attention,
-        unfused=Flux3SplitQKVAttention,
-        slices=_qkv_slices,
-        build_unfused=_split_qkv,
-        build_fused=_join_qkv,
-        is_fused=lambda m: bool(getattr(m, "fused_projections", False)),
-        check=_check_qkv,
-        in_checkpoints=False,
-    ),
+    fused_qkv_rewrite("flux3.fused_qkv_attention", Flux3Attention, Flux3SplitQKVAttention, processors=translate,
+                      check=_check_qkv),
     swap_rewrite("flux3.attention", Flux3Attention, processors=PROCESSORS),
 )
 

@@ -65,7 +65,24 @@ def linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     return module
 
 
-class SplitProjection(nn.Module):
+class SplitLeaf(nn.Module):
+    """What both leaves share: their parts are their children, in order; a call multiplies once by their `Packed`
+    buffer where it holds the parts as they are, else runs the parts' own forwards (`forward_parts`)."""
+
+    def parts_list(self) -> list[nn.Module]:
+        return list(self._modules.values())
+
+    def _apply(self, fn, recurse=True):
+        return repacked(self, super()._apply, fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.__dict__.get(PACKED)
+        if packed is not None and packed.holds(self.parts_list()):
+            return packed(x)
+        return self.forward_parts(x)
+
+
+class SplitProjection(SplitLeaf):
     """What `nn.Linear(attn_features + mlp_features, out_features)(cat([a, m], -1))` computes, as
     `attn_part(a) + mlp_part(m)`; called on the concatenation, like the Linear it replaces."""
 
@@ -86,22 +103,13 @@ class SplitProjection(nn.Module):
     def has_bias(self) -> bool:
         return self.attn_part.bias is not None
 
-    def parts_list(self) -> list[nn.Module]:
-        return [self.attn_part, self.mlp_part]
-
-    def _apply(self, fn, recurse=True):
-        return repacked(self, super()._apply, fn, recurse)
-
     def train(self, mode: bool = True):
         super().train(mode)
         if mode:  # contiguous parts again: what FSDP2 and the optimizers' training take
             unpack(self)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.__dict__.get(PACKED)
-        if packed is not None and packed.holds(self.parts_list()):
-            return packed(x)
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
         attn, mlp = self.attn_part.in_features, self.mlp_part.in_features
         width = x.shape[-1] * attn // (attn + mlp)  # the attention's share of the (local) concatenation
         return self.attn_part(x[..., :width]) + self.mlp_part(x[..., width:])
@@ -144,7 +152,7 @@ def fused_linear_like(split: nn.Module) -> nn.Linear:
         return linear(split.in_features, split.out_features, bias=split.has_bias)
 
 
-class SplitRows(nn.Module):
+class SplitRows(SplitLeaf):
     """What a Linear whose output rows are the named parts, in order, computes: `cat([part(x) ...], -1)`."""
 
     def __init__(self, in_features: int, parts: list[tuple[str, int]], bias: bool = False):
@@ -167,16 +175,7 @@ class SplitRows(nn.Module):
     def parts(self) -> list[tuple[str, int]]:
         return [(name, part.out_features) for name, part in self._modules.items()]
 
-    def parts_list(self) -> list[nn.Module]:
-        return list(self._modules.values())
-
-    def _apply(self, fn, recurse=True):
-        return repacked(self, super()._apply, fn, recurse)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.__dict__.get(PACKED)
-        if packed is not None and packed.holds(self.parts_list()):
-            return packed(x)
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self._modules.values()], dim=-1)
 
 

@@ -24,7 +24,8 @@ from surgery.core.state_dict import weight_slices
 from surgery.parallel.transformers_plans import checkpoint_renames
 from surgery.parallel.plans import FilterFn
 from surgery.parallel.plans import checked_plan, linear_placements, plan_digest
-from surgery.parallel.tensor_parallel import apply_plans, one_dim_mesh, pack_sharded
+from surgery.parallel.distributed import one_dim_mesh
+from surgery.parallel.tensor_parallel import apply_plans, pack_sharded
 
 
 def _placements(model: nn.Module, planned: list) -> dict[str, Placement]:
@@ -106,7 +107,7 @@ def load_tensor_parallel(
     modules to keep (the others are read whole); the result equals `tensor_parallel(unfuse(fully_loaded), mesh, plan,
     filter_fn)`.
     """
-    mesh = one_dim_mesh(mesh)
+    mesh = one_dim_mesh(mesh, "load_tensor_parallel")
     return agree(
         mesh, "load_tensor_parallel",
         lambda: _load_tensor_parallel(model, checkpoint, mesh, dtype=dtype, cache_dir=cache_dir, variant=variant,

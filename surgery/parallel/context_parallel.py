@@ -40,6 +40,7 @@ from diffusers.models.attention_processor import MochiAttention
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.parallel.agreement import agree
+from surgery.parallel.distributed import one_dim_mesh
 
 # Backends whose context-parallel forward cannot return the log-sum-exp that ring attention merges partial results
 # with (diffusers' `_native_attention_forward_op` raises on `return_lse=True`). Every backend that can return it
@@ -49,22 +50,7 @@ _GUARD = "surgery_context_parallel_guard"
 
 
 def _cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise SurgeryError(
-            f"surgery.context_parallel: expected a torch DeviceMesh, got {type(mesh).__name__}. Build one with "
-            "init_device_mesh(device_type, (cp, tp), mesh_dim_names=('cp', 'tp')) and pass mesh['cp']."
-        )
-    if mesh.ndim != 1:
-        names = tuple(mesh.mesh_dim_names or ())
-        if "cp" in names:
-            hint = "Pass its context-parallel sub-mesh, mesh['cp']."
-        else:
-            hint = (f"It has no dimension named 'cp' (names: {names or 'none'}); build it with "
-                    "init_device_mesh(device_type, (cp, tp), mesh_dim_names=('cp', 'tp')) and pass mesh['cp'].")
-        raise SurgeryError(
-            f"surgery.context_parallel: the mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; context parallelism "
-            f"splits the sequence over one. {hint}"
-        )
+    mesh = one_dim_mesh(mesh, "context_parallel", "cp")
     if not mesh.mesh_dim_names:
         # diffusers' ring/ulysses mesh is unflattened from this one, which torch only does for a named dimension
         raise SurgeryError(

@@ -28,7 +28,7 @@ import functools
 import hashlib
 import types
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from surgery.core.errors import SurgeryError
 from surgery.parallel.agreement import _group, _exchanges, agree, fingerprint
-from surgery.parallel.tensor_parallel import one_dim_mesh
+from surgery.parallel.distributed import one_dim_mesh
 
 VERB = "decode_parallel"
 _ALIGN = 64  # bytes: every tile starts on an offset any dtype can be viewed from
@@ -267,7 +267,7 @@ def decode_parallel(vae: nn.Module, mesh: DeviceMesh) -> nn.Module:
     is put back after. With gradients enabled the VAE decodes whole (the gather carries none). Call it, and every
     decode, on every rank alike. A VAE without diffusers' tiled decode raises a `SurgeryError` and is left as it was.
     """
-    mesh = one_dim_mesh(mesh)
+    mesh = one_dim_mesh(mesh, "decode_parallel")
     agree(mesh, VERB, lambda: _check(vae), lambda _: fingerprint(vae, mesh.size(), None, weights=True))
     vae.__dict__.pop("decode", None)  # split again over this mesh
     if _exchanges(mesh):

@@ -1,4 +1,4 @@
-"""Small distributed helpers: count collectives, and run a function on N local CPU ranks (gloo)."""
+"""Small distributed helpers: check a mesh, count collectives, and run a function on N local CPU ranks (gloo)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,32 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from surgery.core.errors import SurgeryError
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+_KINDS = {"tp": "tensor-parallel", "cp": "context-parallel"}
+
+
+def one_dim_mesh(mesh, verb: str, dim: str = "tp") -> DeviceMesh:
+    """`mesh` when it is a one-dimensional DeviceMesh; else a SurgeryError naming the sub-mesh to pass (`mesh[dim]`)."""
+    kind = _KINDS.get(dim, f"'{dim}'")
+    build = f"init_device_mesh(device_type, (..., size), mesh_dim_names=(..., '{dim}'))"
+    if not isinstance(mesh, DeviceMesh):
+        raise SurgeryError(f"surgery.{verb}: expected a torch DeviceMesh, got {type(mesh).__name__}. Build one with "
+                           f"torch.distributed.device_mesh.{build} and pass mesh['{dim}'].")
+    if mesh.ndim != 1:
+        names = tuple(mesh.mesh_dim_names or ())
+        hint = (f"Pass its {kind} sub-mesh, mesh['{dim}']." if dim in names else
+                f"It has no dimension named '{dim}' (names: {names or 'none'}); build it with {build} and pass "
+                f"mesh['{dim}'].")
+        raise SurgeryError(f"surgery.{verb}: the mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}, where "
+                           f"{kind} work runs over one. {hint}")
+    return mesh
 
 
 # The aten ops a Linear becomes once dispatched (`linear` decomposes to `mm`/`addmm`, batched inputs to `bmm`), and the

@@ -26,9 +26,9 @@ from surgery.core.registry import families, resolve_model
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.decode import VERB as DECODE_VERB, decode_parallel
-from surgery.parallel.distributed import fake_process_group
+from surgery.parallel.distributed import fake_process_group, one_dim_mesh
 from surgery.parallel.plans import checked_plan, planned_modules
-from surgery.parallel.tensor_parallel import one_dim_mesh, tensor_parallel
+from surgery.parallel.tensor_parallel import tensor_parallel
 
 logger = logging.getLogger("surgery")
 
@@ -127,7 +127,7 @@ def tensor_parallel_pipeline(pipe, mesh: DeviceMesh, *, src_data_rank: int | Non
     pipeline as it was (components unfused for the check are fused back).
     """
 
-    mesh = one_dim_mesh(mesh)
+    mesh = one_dim_mesh(mesh, "tensor_parallel_pipeline")
     planned = []  # (module or None, row), in the pipeline's order
     try:
         for name, component in pipe.components.items():

@@ -23,26 +23,11 @@ from surgery.core.errors import SurgeryError
 from surgery.core.split_projection import CALL, SplitProjection, SplitRows, pack
 from surgery.parallel import quantized as quant
 from surgery.parallel.agreement import agree, fingerprint
+from surgery.parallel.distributed import one_dim_mesh
 from surgery.parallel.padding import head_paddings
 from surgery.parallel.plans import (
     FilterFn, Planned, block_path, block_plans, checked_plan, linear_placements, plan_digest, planned_for,
 )
-
-
-def one_dim_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    if not isinstance(mesh, DeviceMesh):
-        raise SurgeryError(
-            f"surgery.tensor_parallel: expected a torch DeviceMesh, got {type(mesh).__name__}. Build one with "
-            "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,))."
-        )
-    if mesh.ndim != 1:
-        names = mesh.mesh_dim_names or ()
-        hint = f"mesh['{names[-1]}']" if names else "a mesh built with mesh_dim_names, then mesh['tp']"
-        raise SurgeryError(
-            f"surgery.tensor_parallel: the mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}; tensor parallelism "
-            f"shards over one. Pass its tensor-parallel sub-mesh, e.g. {hint}."
-        )
-    return mesh
 
 
 def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank: int | None) -> list:
@@ -171,7 +156,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     which leave its output and gradients unchanged and cost each rank what `surgery plan` shows. Saving, adapters
     and `fuse` give back the unpadded model and files.
     """
-    mesh = one_dim_mesh(mesh)
+    mesh = one_dim_mesh(mesh, "tensor_parallel")
     world = mesh.size()
     padded: list = []
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import html
 import os
 import shutil
-from typing import Iterator
 
 from surgery.core.errors import SurgeryError
 from surgery.io.atomic import write_text
@@ -267,9 +266,3 @@ def summary(graphs: list[BlockGraph]) -> list[dict]:
     kinds = ["projection", "norm", "attention", "activation", "join", "collective"]
     return [{"graph": g.title, "nodes": len(g.nodes), **{k: g.count(k) for k in kinds}} for g in graphs]
 
-
-def iter_projections(graphs: list[BlockGraph]) -> Iterator[tuple[str, Node]]:
-    for g in graphs:
-        for n in g.nodes:
-            if n.kind == "projection":
-                yield g.title, n
