@@ -30,7 +30,7 @@ def resolve_config(model: str | dict, family: Family | None = None) -> tuple[Fam
         family, variant = resolve_model(model)
         return family, family.config(variant)
     if family is None:
-        raise SurgeryError("pass family= with a config dict (surgery.core.registry.families() lists them), or a model name.")
+        raise SurgeryError("pass family= with a config dict (surgery.extend.families() lists them; `surgery families` prints them), or a model name.")
     return family, dict(model)
 
 

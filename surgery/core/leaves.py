@@ -250,14 +250,14 @@ def edited_source(stock: type, method: str = "__call__") -> str:
     edits = edits_for(stock, method)
     if edits is None:
         raise SurgeryError(f"{key} reshapes by no `{HEADS_BY_COUNT}` alone (the processor rule) and has no edits "
-                           "listed in surgery.core.leaves.EDITS; list them with register_edits.")
+                           "listed; list them with surgery.extend.register_edits.")
     source = textwrap.dedent(inspect.getsource(getattr(stock, method)))
     for old, new, count in edits:
         found = source.count(old)
         if found != count:
             raise SurgeryError(
                 f"{key} holds {old!r} {found} times, not {count}: the installed diffusers changed it. Review "
-                "its edits (surgery.core.leaves: EDITS, or the processor rule) against its new source."
+                "its edits (surgery.extend.register_edits, or the processor rule) against its new source."
             )
         source = source.replace(old, new)
     return source

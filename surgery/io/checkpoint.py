@@ -438,7 +438,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, to: str =
     """
 
     if to not in ("unfused", "fused"):
-        raise SurgeryError(f"surgery.convert: to={to!r}; use 'unfused' or 'fused'.")
+        raise SurgeryError(f"surgery.state_dict.convert_checkpoint: to={to!r}; use 'unfused' or 'fused'.")
     shard_bytes(max_shard_size)
     folder = resolve_checkpoint(src, cache_dir)
     target = _destination(dst, folder, overwrite)

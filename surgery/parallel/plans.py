@@ -320,9 +320,9 @@ def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_paral
     raise SurgeryError(
         f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan{why}: "
         f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
-        "every rank, a half-sharded model. Register a plan for its module (surgery.core.registry.register_tp_plan), declare it "
-        "replicated on purpose with its reason (surgery.core.registry.register_replicated), or pass plan= / "
-        "filter_fn= to shard only what you name."
+        "every rank, a half-sharded model. Give its module a plan (a family's tp_plans, registered with "
+        "surgery.extend.register_family), declare it replicated on purpose with its reason "
+        "(surgery.extend.register_replicated), or pass plan= / filter_fn= to shard only what you name."
     )
 
 
@@ -355,7 +355,7 @@ def effective_plan(model: nn.Module, path: str | None = None, *, plan: dict | No
     if path is None:
         return flat
     if not _has_submodule(model, path):
-        raise SurgeryError(f"surgery.effective_plan: {type(model).__name__} has no module '{path}'.")
+        raise SurgeryError(f"surgery plan: {type(model).__name__} has no module '{path}'.")
     return {key[len(path):].lstrip("."): style for key, style in flat.items()
             if not path or key == path or key.startswith(path + ".")}
 
@@ -392,7 +392,8 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
             first = f" The first of the {total} Linears in its transformer blocks is '{path}' (in a {owner}){why}."
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}).{first} Register one with surgery.core.registry.register_tp_plan."
+            f"(known: {', '.join(known)}).{first} Give its blocks a plan: a family's tp_plans "
+            "(surgery.extend.register_family), or plan=."
         )
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)
@@ -451,8 +452,7 @@ def check_whole_units(model: nn.Module, planned: Planned, given: str) -> None:
                 f"surgery.tensor_parallel: {given} shards {named(have)} of '{path or '<model>'}' "
                 f"({type(module).__name__}) but leaves its partner{'s' if len(missing) > 1 else ''} {named(missing)} "
                 f"whole; half a sharded module computes with mismatched shapes or wrong gradients. Keep or drop all "
-                f"{len(entries)} entries of '{path or '<model>'}' together (surgery.parallel.plans.effective_plan "
-                "lists them)."
+                f"{len(entries)} entries of '{path or '<model>'}' together."
             )
 
 

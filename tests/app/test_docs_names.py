@@ -1,6 +1,9 @@
 """Every `surgery.xxx.yyy` name the README and docs/ show exists (issue 41: docs/usage.md promised
-`surgery.extend.register`, `register_tp_plan`, `registered` and `tp_plans`, none of which existed)."""
+`surgery.extend.register`, `register_tp_plan`, `registered` and `tp_plans`, none of which existed), and every name an
+error message sends a user to is public (issue 38: 13 messages named private modules such as
+`surgery.core.registry.register_tp_plan`)."""
 
+import ast
 import importlib
 import re
 import unittest
@@ -39,6 +42,51 @@ def resolve(name: str) -> object:
             value = getattr(value, attribute)
         return value
     raise ModuleNotFoundError(name)
+
+
+# the three public modules, and the notebooks' inspection tools (docs/inspect.md)
+PUBLIC_MODULES = ("lora", "state_dict", "extend", "sight")
+
+
+def raised_names(root: Path) -> dict[str, str]:
+    """Dotted `surgery.` names in the text of each `raise X(...)` under `root` -> the first place that shows one."""
+    names: dict[str, str] = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            text = "".join(part.value for arg in node.exc.args for part in ast.walk(arg)
+                           if isinstance(part, ast.Constant) and isinstance(part.value, str))
+            for name in NAME.findall(text):
+                names.setdefault(name, f"{path.relative_to(ROOT)}:{node.lineno}")
+    return names
+
+
+def public(name: str) -> bool:
+    """A verb (`surgery.__all__`) or a member of a public module (its `__all__` where it has one)."""
+    import surgery
+
+    parts = name.split(".")
+    if len(parts) == 2:
+        return parts[1] in surgery.__all__ or parts[1] in PUBLIC_MODULES
+    if parts[1] not in PUBLIC_MODULES:
+        return False
+    module = importlib.import_module(f"surgery.{parts[1]}")
+    return parts[2] in getattr(module, "__all__", [n for n in vars(module) if not n.startswith("_")])
+
+
+class ErrorMessages(unittest.TestCase):
+    def test_every_name_an_error_gives_is_public(self):
+        names = {**raised_names(ROOT / "surgery"), **raised_names(ROOT / "rewrites")}
+        self.assertGreater(len(names), 10)  # the walk still finds the messages' names
+        private = {name: where for name, where in names.items() if not public(name)}
+        self.assertEqual(private, {})
+
+    def test_a_private_name_is_found(self):
+        self.assertFalse(public("surgery.core.registry.register_tp_plan"))
+        self.assertFalse(public("surgery.extend.register_tp_plan"))
+        self.assertTrue(public("surgery.extend.register_replicated"))
+        self.assertTrue(public("surgery.lora.shard_lora"))
 
 
 class DocumentedNames(unittest.TestCase):
