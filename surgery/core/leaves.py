@@ -134,9 +134,12 @@ def columns(name: str, attn_features: Callable[[nn.Module], int]) -> Leaf:
 # The one rule for attention processors: a processor that reshapes by the stored head count, `(attn.heads, -1)`,
 # and reads `attn.heads` nowhere else (but in viewing a mask it prepared per head), splits by the head size instead, so the same code runs on the whole module and
 # on a rank that holds `heads / N` of them. The head size from the module's own `head_dim`, else from its global
-# widths (diffusers' generic `Attention` keeps no head_dim).
+# widths: `inner_dim` (diffusers' generic `Attention` keeps no head_dim), else the width its `to_q` declares
+# (`out_features`, the whole module's on any rank: WanAnimate2's attention keeps neither).
+HEAD_SIZE = ("getattr(attn, 'head_dim', None) or (attn.inner_dim if hasattr(attn, 'inner_dim') "
+             "else attn.to_q.out_features) // attn.heads")
 HEADS_BY_COUNT = "(attn.heads, -1)"
-HEAD_DIM = "(-1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+HEAD_DIM = f"(-1, {HEAD_SIZE})"
 # ... or by `attn.num_heads` (Kandinsky 5's `reshape(*shape, attn.num_heads, -1)`, on a module without `inner_dim`):
 # the head size from the width its query projection declares (`out_features`, the whole module's on any rank)
 NUM_HEADS_BY_COUNT = "attn.num_heads, -1)"
@@ -145,7 +148,7 @@ HEAD_DIM_BY_QUERY = "-1, attn.{query}.out_features // attn.num_heads)"
 # the same reshape written into a longer view, the heads last but one (`key.view(B, T, N, attn.heads, -1)`: WanAnimate's
 # face adapter)
 VIEW_HEADS_LAST = ", attn.heads, -1)"
-VIEW_HEAD_DIM_LAST = ", -1, getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads)"
+VIEW_HEAD_DIM_LAST = f", -1, {HEAD_SIZE})"
 # and a mask that `prepare_attention_mask` repeated once per head (the same mask for each) and the processor views
 # per head: kept once, broadcast over however many heads the rank holds
 MASK_BY_COUNT = "attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])"
@@ -156,7 +159,7 @@ MASK_ONCE = MASK_BY_COUNT + "[:, :1]"
 # (`key`, or a stream's `key_i`: HiDream's)
 LOCAL_WIDTH = re.compile(r"^[ \t]*(\w+) = (query|key)\w*\.shape\[-1\][ \t]*$", re.M)
 HEAD_DIM_BY_COUNT = "head_dim = {width} // attn.heads"
-HEAD_DIM_GLOBAL = "head_dim = getattr(attn, 'head_dim', None) or attn.inner_dim // attn.heads"
+HEAD_DIM_GLOBAL = f"head_dim = {HEAD_SIZE}"
 VIEW_BY_COUNT = "attn.heads, head_dim"
 VIEW_BY_WIDTH = "{width} // head_dim, head_dim"
 MERGE_BY_COUNT = "reshape(batch_size, -1, attn.heads * head_dim)"

@@ -384,7 +384,11 @@ def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] |
     """`(ins, out, gated)` for a feed-forward module other than diffusers' `FeedForward` (planned by its registered
     plan): a class named `...FeedForward` (or `...SwiGLU`, `...MLP`) whose Linears are two, `in` then `out`, with `out` reading `in`'s width
     (plain) or half of it (gated: rows gate and up fused in `in`); or three, gate and up as two Linears of the same
-    shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`). None for any other module."""
+    shape and one reading their width back (SwiGLU written `w2(silu(w1(x)) * w3(x))`); or a plain `nn.Sequential` of
+    a Linear, activations and a Linear reading its width (WanAnimate2's `ffn`: no rows to tell apart, nothing fused).
+    None for any other module."""
+    if type(module) is nn.Sequential:
+        return sequential_mlp_parts(module)
     if not any(name in type(module).__name__ for name in FEED_FORWARD_NAMES):
         return None
     linears = [(path, m) for path, m in module.named_modules() if isinstance(m, nn.Linear)]
@@ -403,6 +407,23 @@ def feed_forward_parts(module: nn.Module) -> tuple[tuple[str, ...], str, bool] |
         return (first,), last, False
     if 2 * b.in_features == a.out_features:
         return (first,), last, True
+    return None
+
+
+# the modules a plain MLP may hold between its two Linears: elementwise on each feature, so a rank's share of the
+# hidden units maps to the same share
+ELEMENTWISE = (nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
+
+
+def sequential_mlp_parts(module: nn.Sequential) -> tuple[tuple[str, ...], str, bool] | None:
+    """`((first,), last, False)` for `Sequential(Linear, elementwise activations, Linear)` whose last Linear reads the
+    first's width; None for any other Sequential (a modulation's `Sequential(SiLU, Linear)`, ...)."""
+    children = list(module.named_children())
+    if len(children) < 3 or not all(isinstance(m, ELEMENTWISE) for _, m in children[1:-1]):
+        return None
+    (first, a), (last, b) = children[0], children[-1]
+    if type(a) is nn.Linear and type(b) is nn.Linear and b.in_features == a.out_features:
+        return (first,), last, False
     return None
 
 
