@@ -231,6 +231,21 @@ class SharedParts(unittest.TestCase):
         self.assertNotIn("attn.heads, head_dim", source)
         self.assertEqual(source.count("view(batch_size, -1, inner_dim // head_dim, head_dim)"), 6)
 
+    def test_a_plain_sequential_mlp_derives_like_a_feed_forward_and_no_other_sequential_does(self):
+        # WanAnimate2's `ffn = Sequential(Linear, GELU, Linear)`: colwise in, rowwise out, one all-reduce
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.WanAnimate2Transformer3DModel(**W.families()["wan-animate-2"].test_configs["tiny"]))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        plan = plans["blocks.0.ffn"]
+        self.assertEqual({k: type(v) for k, v in plan.items()}, {"0": ColwiseParallel, "2": RowwiseParallel})
+        self.assertEqual(sum(all_reduces(s) for s in plan.values()), 1)
+        # a modulation `Sequential(SiLU, Linear)`, an MLP whose last Linear does not read the first's width, one
+        # with a non-elementwise module in between: no rule
+        for other in (nn.Sequential(nn.SiLU(), nn.Linear(4, 8)),
+                      nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(4, 4)),
+                      nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4))):
+            self.assertIsNone(derived(other), other)
+
 
 if __name__ == "__main__":
     unittest.main()
