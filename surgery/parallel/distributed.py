@@ -14,7 +14,6 @@ from collections import Counter
 from typing import Any, Callable, Iterator
 
 import torch
-from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 import torch.distributed as dist
@@ -92,13 +91,7 @@ class CollectiveCounter(TorchDispatchMode):
         """GEMMs, cats, splits and all-reduces (every collective) in one row, as the benchmarks print them."""
         return {"gemm": self.gemms, "cat": self.cats, "split": self.splits, "collective": self.total}
 
-    # a higher-order op (flex attention, which Wan-Animate-2's cached pass runs on each rank's plain q/k/v) reaches the
-    # mode whole and runs as it is, its inner ops uncounted: it issues no collective of its own
-    supports_higher_order_operators = True
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if isinstance(func, HigherOrderOperator):
-            return func(*args, **(kwargs or {}))
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         name = func.__name__.split(".")[0]

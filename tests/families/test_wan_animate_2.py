@@ -21,8 +21,8 @@ class TwoPasses(unittest.TestCase):
             self.assertLessEqual(r["cached"], W.FP32_TOL, where)
             # per block: 2 output projections, 5 q/k norm statistics (self q, k; cross q, k, image k), 1 feed-forward
             self.assertEqual(r["expected_all_reduces"], 2 * 8)
-            for kind in ("extract", "cached"):
-                self.assertEqual(r["collectives"][kind], {"all_reduce": r["expected_all_reduces"]}, where)
+            for kind in ("extract", "extract_calls", "cached_calls"):
+                self.assertEqual(r["collectives"][kind], {"all_reduce": r["expected_all_reduces"]}, (kind, where))
             self.assertEqual(r["cache_shapes"], [(1, 32, 2, 32)] * 2, where)  # 4 heads of 32 over 2 ranks
             self.assertTrue(r["cache_is_this_ranks_heads"], where)
 

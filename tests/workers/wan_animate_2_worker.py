@@ -2,11 +2,17 @@
 single-device stock model. The reference pass (`kv_cache_mode="extract"`) fills each layer's K/V cache, the
 denoising pass (`"cached"`) attends over the generation tokens and the cached reference through flex attention's
 block mask, as diffusers' own test drives them (one 5-frame 32x32 segment; flex attention has no backward on CPU,
-so both run without gradients)."""
+so both run without gradients). The cached pass's flex attention does not run under a dispatch mode (it then
+insists on compiling), so its collectives are counted where DTensor issues them, its functional collectives, and the
+reference pass is counted both ways."""
 
+import contextlib
 import copy
+from collections import Counter
+from unittest import mock
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from diffusers.models.transformers.transformer_wan_animate_2 import WanAnimate2KVCache
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -27,6 +33,26 @@ def generation_inputs(reference: dict, config: dict, cache: WanAnimate2KVCache, 
             "origin_len": 4 * (frames - 1) + 1, "origin_area": [8 * shape[1], 8 * shape[2]]}
 
 
+@contextlib.contextmanager
+def functional_collectives():
+    """Counts each functional collective called inside (by name): what DTensor issues for a style or an op."""
+    counts: Counter = Counter()
+
+    def counted(name):
+        original = getattr(funcol, name)
+
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return original(*args, **kwargs)
+        return call
+
+    names = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single")
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(funcol, name, counted(name)))
+        yield counts
+
+
 def two_passes(rank: int, world: int) -> dict:
     family, config, fused = W.make("wan-animate-2", "tiny", 0)
     model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), init_device_mesh("cpu", (world,)))
@@ -35,11 +61,12 @@ def two_passes(rank: int, world: int) -> dict:
     def passes(m):
         cache = WanAnimate2KVCache(config["num_layers"])
         with torch.no_grad():
-            with W.CollectiveCounter() as extract:
+            with W.CollectiveCounter() as extract, functional_collectives() as extract_calls:
                 a = W.output(m, {**reference, "kv_cache": cache})
-            with W.CollectiveCounter() as cached:
+            with functional_collectives() as cached_calls:
                 b = W.output(m, generation_inputs(reference, config, cache, seed=1))
-        return a, b, cache, {"extract": dict(extract.counts), "cached": dict(cached.counts)}
+        return a, b, cache, {"extract": dict(extract.counts), "extract_calls": dict(extract_calls),
+                             "cached_calls": dict(cached_calls)}
 
     (a, b, cache, _), (ta, tb, tcache, collectives) = passes(fused), passes(model)
     return {"extract": W.rel_err(ta, a), "cached": W.rel_err(tb, b), "collectives": collectives,
