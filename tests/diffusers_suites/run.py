@@ -71,6 +71,7 @@ FILES = {
     "chronoedit": {"model": ["tests/models/transformers/test_models_transformer_chronoedit.py"]},
     "helios": {"model": ["tests/models/transformers/test_models_transformer_helios.py"]},
     "wan-animate": {"model": ["tests/models/transformers/test_models_transformer_wan_animate.py"]},
+    "wan-animate-2": {"model": ["tests/models/transformers/test_models_transformer_wan_animate_2.py"]},
     "ltx-video": {"model": ["tests/models/transformers/test_models_transformer_ltx.py"]},
     "ltx-2": {"model": ["tests/models/transformers/test_models_transformer_ltx2.py"]},
     "cosmos": {"model": ["tests/models/transformers/test_models_transformer_cosmos.py"]},
