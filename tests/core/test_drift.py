@@ -72,8 +72,23 @@ class Drift(unittest.TestCase):
         self.assertEqual(leaves.rule_edits(WanAnimateFaceBlockAttnProcessor), (
             (leaves.HEADS_BY_COUNT, leaves.HEAD_DIM, 1), (leaves.VIEW_HEADS_LAST, leaves.VIEW_HEAD_DIM_LAST, 2)))
         edited = leaves.edited_source(WanAnimateFaceBlockAttnProcessor)
-        self.assertEqual(edited.count("view(B, T, N, -1, getattr(attn, 'head_dim', None) or attn.inner_dim // "
-                                      "attn.heads)"), 2)
+        self.assertEqual(edited.count("view(B, T, N, -1, getattr(attn, 'head_dim', None) or (attn.inner_dim if "
+                                      "hasattr(attn, 'inner_dim') else attn.to_q.out_features) // attn.heads)"), 2)
+
+    def test_the_head_size_falls_back_to_the_query_width_where_the_module_keeps_neither(self):
+        # WanAnimate2's attention keeps no `head_dim` and no `inner_dim`: its processors' three
+        # `unflatten(2, (attn.heads, -1))` read the head size off `to_q` (counted from diffusers' source here)
+        from diffusers.models.transformers.transformer_wan_animate_2 import (WanAnimate2Attention,
+                                                                              WanAnimate2AttnProcessor)
+
+        attn = WanAnimate2Attention(dim=64, heads=4)
+        self.assertFalse(hasattr(attn, "head_dim") or hasattr(attn, "inner_dim"))
+        self.assertEqual(inspect.getsource(WanAnimate2AttnProcessor.__call__).count("unflatten(2, (attn.heads, -1))"), 3)
+        edited = leaves.edited_source(WanAnimate2AttnProcessor)
+        self.assertNotIn("attn.heads, -1", edited)
+        self.assertEqual(edited.count("unflatten(2, (-1, getattr(attn, 'head_dim', None) or (attn.inner_dim if "
+                                      "hasattr(attn, 'inner_dim') else attn.to_q.out_features) // attn.heads))"), 3)
+        self.assertEqual(eval(leaves.HEAD_SIZE, {}, {"attn": attn}), 16)
 
     def test_the_rule_reads_the_older_spelling_by_the_key_width(self):
         # SD3's joint processor: head_dim from the local key width over the stored count, views by the count. Read
