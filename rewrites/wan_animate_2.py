@@ -52,12 +52,13 @@ def wan_animate_2_inputs(config: dict, batch: int = 1, image_tokens: int = 16, t
 
 FAMILY = derived_family(
     "wan-animate-2", animate2.WanAnimate2Transformer3DModel, attention=(animate2.WanAnimate2Attention,),
-    # the class's defaults are the published model's (dim 5120 = 40 heads x 128, 40 layers, ffn 13824)
+    # the class's defaults: the Wan2.2-Animate 14B backbone (dim 5120 = 40 heads x 128, 40 layers, ffn 13824, in_dim 36)
     variants={"14b": dict(patch_size=(1, 2, 2), text_len=512, in_dim=36, dim=5120, ffn_dim=13824, freq_dim=256,
                           text_dim=4096, out_dim=16, num_heads=40, num_layers=40, cross_attn_norm=True, eps=1e-6,
                           use_img_emb=True)},
-    sources="Wan-AI/Wan2.2-Animate-2-14B-Diffusers (diffusers' docs, wan_animate_2_transformer_3d.md), whose "
-    "transformer config is WanAnimate2Transformer3DModel's defaults; no conversion script ships",
+    sources="WanAnimate2Transformer3DModel's defaults in diffusers 0.42.1, the checkpoint its docs load "
+    "(Wan-AI/Wan2.2-Animate-2-14B-Diffusers, wan_animate_2_transformer_3d.md) was not read here and no conversion "
+    "script ships; the widths are Wan2.2-Animate-14B's (Wan-Video/Wan2.2 wan/configs/wan_animate_14B.py)",
     default_variant="14b",
     example_inputs=wan_animate_2_inputs,
     # diffusers' tests/models/transformers/test_models_transformer_wan_animate_2.py (WanAnimate2TransformerTesterConfig)
