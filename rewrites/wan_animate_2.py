@@ -58,7 +58,8 @@ FAMILY = derived_family(
                           use_img_emb=True)},
     sources="WanAnimate2Transformer3DModel's defaults in diffusers 0.42.1, the checkpoint its docs load "
     "(Wan-AI/Wan2.2-Animate-2-14B-Diffusers, wan_animate_2_transformer_3d.md) was not read here and no conversion "
-    "script ships; the widths are those of Wan-Video/Wan2.2's WanAnimateModel defaults (wan/modules/animate/model_animate.py)",
+    "script ships; the widths are those of Wan-Video/Wan2.2's WanAnimateModel defaults "
+    "(wan/modules/animate/model_animate.py)",
     default_variant="14b",
     example_inputs=wan_animate_2_inputs,
     # diffusers' tests/models/transformers/test_models_transformer_wan_animate_2.py (WanAnimate2TransformerTesterConfig)
