@@ -83,7 +83,8 @@ class Drift(unittest.TestCase):
 
         attn = WanAnimate2Attention(dim=64, heads=4)
         self.assertFalse(hasattr(attn, "head_dim") or hasattr(attn, "inner_dim"))
-        self.assertEqual(inspect.getsource(WanAnimate2AttnProcessor.__call__).count("unflatten(2, (attn.heads, -1))"), 3)
+        source = inspect.getsource(WanAnimate2AttnProcessor.__call__)
+        self.assertEqual(source.count("unflatten(2, (attn.heads, -1))"), 3)
         edited = leaves.edited_source(WanAnimate2AttnProcessor)
         self.assertNotIn("attn.heads, -1", edited)
         self.assertEqual(edited.count("unflatten(2, (-1, getattr(attn, 'head_dim', None) or (attn.inner_dim if "

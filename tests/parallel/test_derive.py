@@ -234,7 +234,8 @@ class SharedParts(unittest.TestCase):
     def test_a_plain_sequential_mlp_derives_like_a_feed_forward_and_no_other_sequential_does(self):
         # WanAnimate2's `ffn = Sequential(Linear, GELU, Linear)`: colwise in, rowwise out, one all-reduce
         torch.manual_seed(0)
-        model = surgery.unfuse(diffusers.WanAnimate2Transformer3DModel(**W.families()["wan-animate-2"].test_configs["tiny"]))
+        config = W.families()["wan-animate-2"].test_configs["tiny"]
+        model = surgery.unfuse(diffusers.WanAnimate2Transformer3DModel(**config))
         plans = {path: plan for path, _, plan in planned_for(model)}
         plan = plans["blocks.0.ffn"]
         self.assertEqual({k: type(v) for k, v in plan.items()}, {"0": ColwiseParallel, "2": RowwiseParallel})
