@@ -106,11 +106,12 @@ FEED_FORWARD_TP_PLAN = {
 }
 
 
-def qkv_rows(name: str, width: Callable[[nn.Module], int]) -> Leaf:
-    """A fused q/k/v Linear `name` whose rows are Q, K, V of `width(module)` rows each, in that order: a `rows` leaf
-    with parts `.q`, `.k`, `.v` (views). Each rank's `SplitRows` returns `cat([q, k, v], -1)` of its own heads, so a
-    processor that reads the fused output as `chunk(3)` or as `(3, heads, head_dim)` reads that rank's heads."""
-    return rows(name, lambda m: [(part, width(m)) for part in ("q", "k", "v")])
+def qkv_rows(name: str, width: Callable[[nn.Module], int], parts: tuple[str, ...] = ("q", "k", "v")) -> Leaf:
+    """A fused projection Linear `name` whose rows are `parts` (Q, K, V; or K, V) of `width(module)` rows each, in
+    that order: a `rows` leaf with those parts (views). Each rank's `SplitRows` returns `cat([q, k, v], -1)` of its
+    own heads, so a processor that reads the fused output as `chunk(3)` or as `(3, heads, head_dim)` reads that
+    rank's heads (a `(heads, 3, head_dim)` reading would not)."""
+    return rows(name, lambda m: [(part, width(m)) for part in parts])
 
 
 def _check_feed_forward(module: nn.Module, path: str, world: int) -> None:
