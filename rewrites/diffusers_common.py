@@ -19,7 +19,9 @@ The rest is what several family files share beyond plans, kept here so that no f
 hunyuan_video): the undo of diffusers' `fuse_qkv_projections()` (`fused_qkv_rewrite`), the FLUX-like single block's rewrites and inputs (LongCat-Image, Ovis-Image, Bria, Bria-Fibo,
 Motif-Video), the generic `Attention`'s processors (`GENERIC`), one `cast_inputs`, and the published numbers and
 example inputs of models built alike (Wan's for SkyReels-V2, ChronoEdit, Wan-VACE, Wan-Animate and AnyFlow;
-CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video).
+CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video), a fused projection's rows as a
+leaf (`qkv_rows`: JoyImage, PRX, Stable Audio 3) and JoyImage-Edit's family, which diffusers writes in two files
+(Edit and Edit-Plus).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from surgery.extend import (
     SPLIT_PROJECTION_TP_PLAN,
     SurgeryError,
     columns,
+    derived_family,
     per_head_norm,
     recast,
     register_edits,
@@ -251,25 +254,31 @@ JOYIMAGE_ATTENTION_TP_PLAN = {
 }
 
 
-def joyimage_rewrite(name: str, attention: type[nn.Module], processor: type) -> Rewrite:
-    """A JoyImage attention's rewrite: both streams' fused q/k/v as rows, and its processor's head-dim twin. The
-    processor chunks each fused output in three (each rank's q/k/v share, in order) and unflattens by a local
-    `heads = attn.heads`, which the processor rule does not read: the twin's edit, listed here, unflattens by
-    `attn.head_dim` instead."""
+# diffusers scripts/convert_joyimage_edit_to_diffusers.py, TRANSFORMER_CONFIG (JoyImage-Edit and Edit-Plus alike)
+_JOYIMAGE = dict(hidden_size=4096, in_channels=16, num_attention_heads=32, num_layers=40, out_channels=16,
+                 patch_size=[1, 2, 2], rope_dim_list=[16, 56, 56], text_dim=4096, rope_type="rope", theta=10000)
+# diffusers' JoyImageEdit(Plus)TransformerTesterConfig, 4 heads (theirs: 2) so that a mesh of 4 splits them
+_JOYIMAGE_TINY = dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=64, num_attention_heads=4, text_dim=16,
+                      num_layers=2, rope_dim_list=[4, 6, 6], theta=256)
+
+
+def joyimage_family(name: str, model: type[nn.Module], attention: type[nn.Module], processor: type, variant: str,
+                    example_inputs: Callable[..., dict]) -> Family:
+    """A JoyImage family: both streams' fused q/k/v as rows, and the processor's head-dim twin. The processor chunks
+    each fused output in three (each rank's q/k/v share, in order) and unflattens by a local `heads = attn.heads`,
+    which the processor rule does not read: the twin's edit, listed here, unflattens by `attn.head_dim` instead. The
+    blocks' feed-forwards are diffusers' `FeedForward`; the modulation is a parameter table, no Linear."""
     register_edits(processor, "__call__", (("(heads, -1)", "(-1, attn.head_dim)", 6),))
     width = lambda m: m.heads * m.head_dim  # noqa: E731 - each of Q, K, V
-    return swap_rewrite(name, attention, leaves=(qkv_rows("img_attn_qkv", width), qkv_rows("txt_attn_qkv", width)),
-                        processors=Processors((processor,)))
-
-
-# diffusers scripts/convert_joyimage_edit_to_diffusers.py, TRANSFORMER_CONFIG (JoyImage-Edit and Edit-Plus alike)
-JOYIMAGE = dict(hidden_size=4096, in_channels=16, num_attention_heads=32, num_layers=40, out_channels=16,
-                patch_size=[1, 2, 2], rope_dim_list=[16, 56, 56], text_dim=4096, rope_type="rope", theta=10000)
-# diffusers' JoyImageEdit(Plus)TransformerTesterConfig, 4 heads (theirs: 2) so that a mesh of 4 splits them
-JOYIMAGE_TINY = dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=64, num_attention_heads=4, text_dim=16,
-                     num_layers=2, rope_dim_list=[4, 6, 6], theta=256)
-JOYIMAGE_SOURCES = ("diffusers scripts/convert_joyimage_edit_to_diffusers.py (TRANSFORMER_CONFIG: 40 double blocks, "
-                    "hidden 4096 = 32 heads of 128, text 4096, rope axes (16, 56, 56), theta 10000)")
+    rewrite = swap_rewrite(f"{name}.attention", attention, processors=Processors((processor,)),
+                           leaves=(qkv_rows("img_attn_qkv", width), qkv_rows("txt_attn_qkv", width)))
+    return derived_family(
+        name, model, rewrites=(rewrite,), tp_plans={attention: JOYIMAGE_ATTENTION_TP_PLAN},
+        variants={variant: dict(_JOYIMAGE)}, default_variant=variant,
+        sources="diffusers scripts/convert_joyimage_edit_to_diffusers.py (TRANSFORMER_CONFIG: 40 double blocks, "
+        "hidden 4096 = 32 heads of 128, text 4096, rope axes (16, 56, 56), theta 10000)",
+        example_inputs=example_inputs, test_configs={"tiny": dict(_JOYIMAGE_TINY)},
+    )
 
 
 def cast_inputs(inputs: dict, dtype: torch.dtype, device) -> dict:

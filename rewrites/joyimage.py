@@ -1,7 +1,7 @@
 """JoyImage-Edit (diffusers `transformer_joyimage.py`): double-stream blocks whose joint attention holds each stream's
 q/k/v fused in one Linear (`img_attn_qkv`, `txt_attn_qkv`).
 
-Unfused the drop-in way (`surgery_rewrites.diffusers_common.joyimage_rewrite`): the stock classes and forwards stay;
+Unfused the drop-in way (`surgery_rewrites.diffusers_common.joyimage_family`): the stock classes and forwards stay;
 each fused Linear becomes a `SplitRows` (rows -> `.q`, `.k`, `.v`: views), and the processor runs its head-dim twin.
 The feed-forwards are diffusers' `FeedForward` (approximate GELU, planned in diffusers_common); the modulation is a
 parameter table, no Linear. 4 all-reduces per block: each stream's attention output and feed-forward output.
@@ -16,16 +16,7 @@ from diffusers.models.transformers.transformer_joyimage import (
     JoyImageEditTransformer3DModel,
 )
 
-from surgery_rewrites.diffusers_common import (
-    JOYIMAGE,
-    JOYIMAGE_ATTENTION_TP_PLAN,
-    JOYIMAGE_SOURCES,
-    JOYIMAGE_TINY,
-    cast_inputs,
-    joyimage_rewrite,
-    video_grid,
-)
-from surgery.extend import derived_family
+from surgery_rewrites.diffusers_common import cast_inputs, joyimage_family, video_grid
 
 
 def joyimage_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -45,13 +36,5 @@ def joyimage_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_t
     return cast_inputs(inputs, dtype, device)
 
 
-FAMILY = derived_family(
-    "joyimage-edit", JoyImageEditTransformer3DModel,
-    rewrites=(joyimage_rewrite("joyimage.attention", JoyImageAttention, JoyImageAttnProcessor),),
-    tp_plans={JoyImageAttention: JOYIMAGE_ATTENTION_TP_PLAN},
-    variants={"edit": dict(JOYIMAGE)},
-    sources=JOYIMAGE_SOURCES,
-    default_variant="edit",
-    example_inputs=joyimage_inputs,
-    test_configs={"tiny": dict(JOYIMAGE_TINY)},
-)
+FAMILY = joyimage_family("joyimage-edit", JoyImageEditTransformer3DModel,
+                         JoyImageAttention, JoyImageAttnProcessor, "edit", joyimage_inputs)

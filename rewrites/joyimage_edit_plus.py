@@ -1,6 +1,6 @@
 """JoyImage-Edit-Plus (diffusers `transformer_joyimage_edit_plus.py`): JoyImage-Edit's blocks for several reference
 images (padded patch sequences, per-sample rotary tables, an attention mask). The same fused q/k/v and the same
-unfusing as JoyImage-Edit (`surgery_rewrites.diffusers_common.joyimage_rewrite`); 4 all-reduces per block.
+unfusing as JoyImage-Edit (`surgery_rewrites.diffusers_common.joyimage_family`); 4 all-reduces per block.
 """
 
 from __future__ import annotations
@@ -12,15 +12,7 @@ from diffusers.models.transformers.transformer_joyimage_edit_plus import (
     JoyImageEditPlusTransformer3DModel,
 )
 
-from surgery_rewrites.diffusers_common import (
-    JOYIMAGE,
-    JOYIMAGE_ATTENTION_TP_PLAN,
-    JOYIMAGE_SOURCES,
-    JOYIMAGE_TINY,
-    cast_inputs,
-    joyimage_rewrite,
-)
-from surgery.extend import derived_family
+from surgery_rewrites.diffusers_common import cast_inputs, joyimage_family
 
 
 def joyimage_edit_plus_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8,
@@ -48,14 +40,5 @@ def joyimage_edit_plus_inputs(config: dict, batch: int = 1, image_tokens: int = 
     return cast_inputs(inputs, dtype, device)
 
 
-FAMILY = derived_family(
-    "joyimage-edit-plus", JoyImageEditPlusTransformer3DModel,
-    rewrites=(joyimage_rewrite("joyimage_edit_plus.attention", JoyImageEditPlusAttention,
-                               JoyImageEditPlusAttnProcessor),),
-    tp_plans={JoyImageEditPlusAttention: JOYIMAGE_ATTENTION_TP_PLAN},
-    variants={"plus": dict(JOYIMAGE)},
-    sources=JOYIMAGE_SOURCES,
-    default_variant="plus",
-    example_inputs=joyimage_edit_plus_inputs,
-    test_configs={"tiny": dict(JOYIMAGE_TINY)},
-)
+FAMILY = joyimage_family("joyimage-edit-plus", JoyImageEditPlusTransformer3DModel,
+                         JoyImageEditPlusAttention, JoyImageEditPlusAttnProcessor, "plus", joyimage_edit_plus_inputs)

@@ -28,7 +28,8 @@ register_edits(PRXAttnProcessor2_0, "__call__", (("3, attn.heads, attn.head_dim"
 
 ATTENTION = swap_rewrite(
     "prx.attention", PRXAttention,
-    leaves=(qkv_rows("img_qkv_proj", lambda m: m.inner_dim), qkv_rows("txt_kv_proj", lambda m: m.inner_dim, ("k", "v"))),
+    leaves=(qkv_rows("img_qkv_proj", lambda m: m.inner_dim),
+            qkv_rows("txt_kv_proj", lambda m: m.inner_dim, ("k", "v"))),
     processors=Processors((PRXAttnProcessor2_0,)),
 )
 
