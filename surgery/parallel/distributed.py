@@ -112,7 +112,21 @@ def _on_meta(args: tuple) -> bool:
     return isinstance(first, FakeTensor) or (isinstance(first, torch.Tensor) and first.is_meta)
 
 
-def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int) -> None:
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this rank when the process that started it dies (a test run killed mid-job), so that no
+    rank lives on holding its memory and CPU. Linux's `prctl(PR_SET_PDEATHSIG)`; elsewhere a rank outlives it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call, so no signal will come
+        os._exit(1)
+
+
+def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int,
+           parent: int) -> None:
+    _die_with(parent)
     torch.set_num_threads(threads)
     # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
     if hasattr(signal, "SIGUSR1"):  # POSIX only
@@ -152,7 +166,7 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
     with tempfile.TemporaryDirectory(prefix="surgery-ranks-") as tmp:
         processes = mp.start_processes(
             _entry,
-            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads),
+            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads, os.getpid()),
             nprocs=world_size,
             start_method="spawn",
             join=False,

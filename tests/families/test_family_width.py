@@ -34,12 +34,23 @@ BELOW_2_24 = {"dit", "latte", "pixart", "kandinsky5", "prior", "wan-vace"}
 
 
 @functools.lru_cache(maxsize=None)
-def results() -> list[dict]:
+def job() -> tuple[list[dict] | None, BaseException | None]:
+    """The one job's results, or the error it raised: kept either way, so that a failed job fails every test once
+    instead of running again for each."""
     root = tempfile.mkdtemp(prefix="surgery-family-width-")
     try:
-        return run_on_cpu_ranks(W.run, 4, W.names(), root, timeout=3 * 3600)
+        return run_on_cpu_ranks(W.run, 4, W.names(), root, timeout=3 * 3600), None
+    except Exception as error:  # noqa: BLE001 - re-raised by every test below
+        return None, error
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def results() -> list[dict]:
+    out, error = job()
+    if error is not None:
+        raise error
+    return out
 
 
 def _name(func, num, params):
