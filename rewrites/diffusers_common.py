@@ -19,12 +19,15 @@ The rest is what several family files share beyond plans, kept here so that no f
 hunyuan_video): the undo of diffusers' `fuse_qkv_projections()` (`fused_qkv_rewrite`), the FLUX-like single block's rewrites and inputs (LongCat-Image, Ovis-Image, Bria, Bria-Fibo,
 Motif-Video), the generic `Attention`'s processors (`GENERIC`), one `cast_inputs`, and the published numbers and
 example inputs of models built alike (Wan's for SkyReels-V2, ChronoEdit, Wan-VACE, Wan-Animate and AnyFlow;
-CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video).
+CogVideoX's for ConsisID; LTX-2's for SANA-WM's refiner; Sana's for Sana-Video), a fused projection's rows as a
+leaf (`qkv_rows`: JoyImage, PRX, Stable Audio 3) and JoyImage-Edit's family, which diffusers writes in two files
+(Edit and Edit-Plus).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -48,9 +51,12 @@ from surgery.extend import (
     SPLIT_PROJECTION_TP_PLAN,
     SurgeryError,
     columns,
+    derived_family,
     per_head_norm,
     recast,
+    register_edits,
     row_slices,
+    rows,
     swap_rewrite,
     under,
 )
@@ -101,6 +107,14 @@ FEED_FORWARD_TP_PLAN = {
     "net.0.proj": ColwiseParallel(),
     "net.2": RowwiseParallel(),
 }
+
+
+def qkv_rows(name: str, width: Callable[[nn.Module], int], parts: tuple[str, ...] = ("q", "k", "v")) -> Leaf:
+    """A fused projection Linear `name` whose rows are `parts` (Q, K, V; or K, V) of `width(module)` rows each, in
+    that order: a `rows` leaf with those parts (views). Each rank's `SplitRows` returns `cat([q, k, v], -1)` of its
+    own heads, so a processor that reads the fused output as `chunk(3)` or as `(3, heads, head_dim)` reads that
+    rank's heads (a `(heads, 3, head_dim)` reading would not)."""
+    return rows(name, lambda m: [(part, width(m)) for part in parts])
 
 
 def _check_feed_forward(module: nn.Module, path: str, world: int) -> None:
@@ -218,6 +232,53 @@ WAN = dict(attention_head_dim=128, cross_attn_norm=True, eps=1e-06, freq_dim=256
            patch_size=(1, 2, 2), qk_norm="rms_norm_across_heads", text_dim=4096)
 WAN_TINY = dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, text_dim=16,
                 freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+
+
+# --- JoyImage-Edit and Edit-Plus: two diffusers files, one attention layout ------------------------------------------
+
+# Each stream's fused `*_attn_qkv` as q/k/v rows (`qkv_rows`), heads split across ranks; per-head QK-norms; one
+# all-reduce per stream's output projection.
+JOYIMAGE_ATTENTION_TP_PLAN = {
+    "img_attn_qkv.q": ColwiseParallel(),
+    "img_attn_qkv.k": ColwiseParallel(),
+    "img_attn_qkv.v": ColwiseParallel(),
+    "img_attn_q_norm": HEAD_NORM,
+    "img_attn_k_norm": HEAD_NORM,
+    "img_attn_proj": RowwiseParallel(),
+    "txt_attn_qkv.q": ColwiseParallel(),
+    "txt_attn_qkv.k": ColwiseParallel(),
+    "txt_attn_qkv.v": ColwiseParallel(),
+    "txt_attn_q_norm": HEAD_NORM,
+    "txt_attn_k_norm": HEAD_NORM,
+    "txt_attn_proj": RowwiseParallel(),
+}
+
+
+# diffusers scripts/convert_joyimage_edit_to_diffusers.py, TRANSFORMER_CONFIG (JoyImage-Edit and Edit-Plus alike)
+_JOYIMAGE = dict(hidden_size=4096, in_channels=16, num_attention_heads=32, num_layers=40, out_channels=16,
+                 patch_size=[1, 2, 2], rope_dim_list=[16, 56, 56], text_dim=4096, rope_type="rope", theta=10000)
+# diffusers' JoyImageEdit(Plus)TransformerTesterConfig, 4 heads (theirs: 2) so that a mesh of 4 splits them
+_JOYIMAGE_TINY = dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=64, num_attention_heads=4, text_dim=16,
+                      num_layers=2, rope_dim_list=[4, 6, 6], theta=256)
+
+
+def joyimage_family(name: str, model: type[nn.Module], attention: type[nn.Module], processor: type, variant: str,
+                    example_inputs: Callable[..., dict]) -> Family:
+    """A JoyImage family: both streams' fused q/k/v as rows, and the processor's head-dim twin. The processor chunks
+    each fused output in three (each rank's q/k/v share, in order) and unflattens by a local `heads = attn.heads`,
+    which the processor rule does not read: the twin's edit, listed here, unflattens by `attn.head_dim` instead. The
+    blocks' feed-forwards are diffusers' `FeedForward`; the modulation is a parameter table, no Linear."""
+    register_edits(processor, "__call__", (("(heads, -1)", "(-1, attn.head_dim)", 6),))
+    width = lambda m: m.heads * m.head_dim  # noqa: E731 - each of Q, K, V
+    rewrite = swap_rewrite(f"{name}.attention", attention, processors=Processors((processor,)),
+                           leaves=(qkv_rows("img_attn_qkv", width), qkv_rows("txt_attn_qkv", width)))
+    return derived_family(
+        name, model, rewrites=(rewrite,), tp_plans={attention: JOYIMAGE_ATTENTION_TP_PLAN},
+        variants={variant: dict(_JOYIMAGE)}, default_variant=variant,
+        sources="diffusers scripts/convert_joyimage_edit_to_diffusers.py (TRANSFORMER_CONFIG: 40 double blocks, "
+        "hidden 4096 = 32 heads of 128, text 4096, rope axes (16, 56, 56), theta 10000)",
+        example_inputs=example_inputs, test_configs={"tiny": dict(_JOYIMAGE_TINY)},
+    )
 
 
 def cast_inputs(inputs: dict, dtype: torch.dtype, device) -> dict:

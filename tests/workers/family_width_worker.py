@@ -32,7 +32,7 @@ from surgery.core.registry import Family, families, model_class
 from conformance_worker import conformant_families, floating_inputs, output
 from published_width_worker import fast_seeded
 
-DEPTH = re.compile(r"(num_|n_)?\w*(layers|blocks)")
+DEPTH = re.compile(r"(num_|n_)?\w*(layers|blocks)|depth")
 
 
 def one_block_each(family: Family, config: dict) -> dict:
