@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import pickle
@@ -117,8 +118,6 @@ def _die_with(parent: int) -> None:
     rank lives on holding its memory and CPU. Linux's `prctl(PR_SET_PDEATHSIG)`; elsewhere a rank outlives it."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the call, so no signal will come
         os._exit(1)

@@ -79,9 +79,15 @@ def derived_in_blocks(model: nn.Module, covered: list[str]) -> list[tuple[str, n
             if tp_plan_for(child)[0] is not None:
                 continue
             plan = derived(child)
-            if plan is not None:
+            if plan is not None and not _declared_whole(module, key, child):
                 out.append((path, child, plan))
     return out
+
+
+def _declared_whole(block: nn.Module, key: str, module: nn.Module) -> bool:
+    """Whether a family declares a Linear of `module` (at `key` in `block`) whole on every rank: its declaration wins
+    over a derivation rule (Stable Audio 3's `to_local_embed` is an MLP the rule would shard)."""
+    return any(declared_reason(block, _join(key, k)) for k, m in module.named_modules() if isinstance(m, nn.Linear))
 
 
 def _has_submodule(module: nn.Module, path: str) -> bool:
@@ -268,16 +274,26 @@ def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def replicated_reason(block: nn.Module, key: str) -> str | None:
-    """Why the Linear at `key` (relative to `block`) is whole on every rank on purpose, or None: an enclosing
-    module's class declares it (`surgery.core.registry.register_replicated`), or it belongs to an adaptive norm."""
+def declared_reason(block: nn.Module, key: str) -> str | None:
+    """The reason an enclosing module's class declares the Linear at `key` (relative to `block`) whole, or None."""
     names = key.split(".")
     for i in range(len(names)):
         owner = block.get_submodule(".".join(names[:i]))
-        rest = ".".join(names[i:])
         for pattern, reason in replicated_for(owner).items():
-            if fnmatchcase(rest, pattern):
+            if fnmatchcase(".".join(names[i:]), pattern):
                 return reason
+    return None
+
+
+def replicated_reason(block: nn.Module, key: str) -> str | None:
+    """Why the Linear at `key` (relative to `block`) is whole on every rank on purpose, or None: an enclosing
+    module's class declares it (`surgery.core.registry.register_replicated`), or it belongs to an adaptive norm."""
+    declared = declared_reason(block, key)
+    if declared is not None:
+        return declared
+    names = key.split(".")
+    for i in range(len(names)):
+        owner = block.get_submodule(".".join(names[:i]))
         if i and type(owner).__module__ in DERIVED_REPLICATED:
             return DERIVED_REPLICATED[type(owner).__module__]
         if i and (any(name in type(owner).__name__ for name in ADAPTIVE_NORM_NAMES)
