@@ -62,6 +62,8 @@ def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str,
     attention = planned_module.get_submodule(attention_key)
     heads = head_count(attention)
     head_dim = _head_dim(attention, heads)
+    if head_dim is None and heads % world == 0:  # no zero heads needed (a mesh of 1, or one that divides them)
+        return None
     if head_dim is None:
         raise SurgeryError(f"surgery.tensor_parallel: '{where}' has {heads} heads but no head size to pad by (no "
                            "`head_dim` and no `to_q` Linear).")
