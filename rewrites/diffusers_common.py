@@ -389,7 +389,7 @@ FAMILY = Family(
 # --- diffusers' fuse_qkv_projections(), undone ------------------------------------------------------------------------
 
 # the Linears diffusers' `AttentionModuleMixin.fuse_projections` concatenates, by the name of the one it adds
-_QKV_FUSIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
+QKV_FUSIONS = {"to_qkv": ("to_q", "to_k", "to_v"), "to_added_qkv": ("add_q_proj", "add_k_proj", "add_v_proj")}
 
 
 class SplitQKV:
@@ -411,17 +411,22 @@ def _stock_attention(cls: type) -> type:
     return next(c for c in cls.__mro__ if not issubclass(c, SplitQKV))
 
 
+def qkv_fused(m: nn.Module) -> bool:
+    """Whether diffusers' `fuse_qkv_projections()` fused `m` (it keeps the q/k/v Linears beside the fused ones)."""
+    return bool(getattr(m, "fused_projections", False))
+
+
 def _qkv_fusions(m: nn.Module) -> list[tuple[str, list[nn.Linear]]]:
     """(fused name, its q/k/v Linears) for each fusion `fuse_projections` makes of `m`: stock fusing keeps the q/k/v
     Linears beside the fused one, so both forms hold them."""
-    return [(fused, [getattr(m, p) for p in parts]) for fused, parts in _QKV_FUSIONS.items()
+    return [(fused, [getattr(m, p) for p in parts]) for fused, parts in QKV_FUSIONS.items()
             if all(isinstance(getattr(m, p, None), nn.Linear) for p in parts)]
 
 
 def _qkv_slices(m: nn.Module) -> list:
     slices = []
     for fused, linears in _qkv_fusions(m):
-        parts = [(name, linear.out_features) for name, linear in zip(_QKV_FUSIONS[fused], linears)]
+        parts = [(name, linear.out_features) for name, linear in zip(QKV_FUSIONS[fused], linears)]
         slices += row_slices(fused, parts, "weight")
         if linears[0].bias is not None:
             slices += row_slices(fused, parts, "bias")
@@ -442,7 +447,7 @@ def fused_qkv_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module
                 new = recast(m, cls, **{p: nn.Linear(linear.in_features, linear.out_features,
                                                      bias=linear.bias is not None)
                                         for fused_name, linears in fusions
-                                        for p, linear in zip(_QKV_FUSIONS[fused_name], linears)})
+                                        for p, linear in zip(QKV_FUSIONS[fused_name], linears)})
                 for fused_name, _ in fusions:
                     del new._modules[fused_name]
             else:
@@ -462,7 +467,7 @@ def fused_qkv_rewrite(name: str, fused: type[nn.Module], unfused: type[nn.Module
         slices=_qkv_slices,
         build_unfused=lambda m: swap(m, unfused, unfusing=True),
         build_fused=lambda m: swap(m, fused, unfusing=False),
-        is_fused=lambda m: bool(getattr(m, "fused_projections", False)),
+        is_fused=qkv_fused,
         in_checkpoints=False,
         **({} if check is None else {"check": check}),
     )

@@ -31,9 +31,11 @@ from diffusers.models.transformers.transformer_flux import (
 
 from surgery_rewrites.diffusers_common import (
     DOUBLE_STREAM_ATTENTION_TP_PLAN,
+    QKV_FUSIONS,
     SINGLE_BLOCK_TP_PLAN,
     SplitQKV,
     fused_qkv_rewrite,
+    qkv_fused,
 )
 from surgery.extend import (
     Family,
@@ -57,7 +59,7 @@ PROJ_OUT = columns("proj_out", lambda m: m.proj_out.in_features - m.mlp_hidden_d
 def _nested_qkv(attn: nn.Module, unfusing: bool) -> bool:
     """Whether a block's attention is in the form its own (QKV) rewrite converts in this direction."""
     if unfusing:
-        return type(attn) is FluxAttention and _qkv_fused(attn)
+        return type(attn) is FluxAttention and qkv_fused(attn)
     return type(attn) is FluxSplitQKVAttention
 
 
@@ -93,13 +95,8 @@ class FluxSplitQKVAttention(SplitQKV, FluxAttention):
     """A `FluxAttention` whose `fuse_qkv_projections()` fusion was split back (`SplitQKV`)."""
 
 
-def _qkv_fused(m: nn.Module) -> bool:
-    return bool(getattr(m, "fused_projections", False))
-
-
 def _qkv_linears(m: nn.Module, fused_form: bool) -> list[tuple[str, nn.Module]]:
-    names = ["to_qkv", "to_added_qkv"] if fused_form else ["to_q", "to_k", "to_v", "add_q_proj", "add_k_proj",
-                                                            "add_v_proj"]
+    names = list(QKV_FUSIONS) if fused_form else [part for parts in QKV_FUSIONS.values() for part in parts]
     return [(n, getattr(m, n)) for n in names if isinstance(getattr(m, n, None), nn.Linear)]
 
 
