@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import surgery  # noqa: E402
 from surgery.core.build import seeded_model  # noqa: E402
 from surgery.core.registry import families  # noqa: E402
-from surgery.testing import CollectiveCounter, diffusers_packed_tp, rel_err  # noqa: E402
+from surgery.testing import CollectiveCounter, diffusers_packed_tp, leave_together, rel_err  # noqa: E402
 
 # --model -> (the family's registry name, its default --width, its tiny test config for --tiny)
 MODELS = {"flux2": ("flux2", "klein-9b", "tp_wide"), "wan": ("wan", "t2v-14b", "tiny")}
@@ -196,7 +196,7 @@ def main() -> None:
         del model, run
     if rank == 0:
         report(rows, args, config, dtype)
-    dist.destroy_process_group()
+    leave_together()
 
 
 def report(rows: list[dict], args, config: dict, dtype) -> None:

@@ -122,6 +122,7 @@ def main() -> None:
     if rank == 0:
         image.save(args.out)
         print(f"{args.steps} steps in {time.perf_counter() - started:.1f}s -> {args.out}")
+    dist.barrier()  # leave together: no rank closes its connections while a peer still runs a collective
     dist.destroy_process_group()
 
 

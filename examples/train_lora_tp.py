@@ -194,6 +194,7 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"losses {[round(x, 6) for x in result['losses']]}; stock adapter written to "
               f"{os.path.join(args.out, 'pytorch_lora_weights.safetensors')}")
+    dist.barrier()  # leave together: no rank closes its connections while a peer still runs a collective
     dist.destroy_process_group()
 
 

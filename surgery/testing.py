@@ -18,7 +18,7 @@ from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 import diffusers.hooks.tensor_parallel as dtp
 import torch.distributed as dist
 
-from surgery.parallel.distributed import CollectiveCounter, run_on_cpu_ranks
+from surgery.parallel.distributed import CollectiveCounter, leave_together, run_on_cpu_ranks
 from surgery.core.build import default_dtype
 from surgery.core.registry import Family, family_of, model_class
 from surgery.core.build import seeded_model
@@ -34,6 +34,7 @@ __all__ = [
     "example_inputs",
     "family_of",
     "keep_attention_backend",
+    "leave_together",
     "rel_err",
     "run_on_cpu_ranks",
     "seeded_model",

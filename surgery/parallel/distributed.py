@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,10 +138,16 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, qu
     except BaseException:
         dist.destroy_process_group()
         raise
-    # Tear down together: no rank closes its connections while a peer still runs its last collective. Then leave
-    # without running torch's C++ destructors at interpreter exit, where gloo's threads raced them under load
-    # ("terminate called without an active exception", SIGABRT after the result was delivered). The result is
-    # already written to the parent's pipe.
+    leave_together()  # the result is already written to the parent's pipe
+
+
+def leave_together() -> NoReturn:
+    """End a rank's process (ours, or one torchrun started) once every rank is done with its collectives.
+
+    Tear down together: no rank closes its connections while a peer still runs its last collective. Then leave without
+    running torch's C++ destructors at interpreter exit, where gloo's threads race them under load ("terminate called
+    without an active exception", SIGABRT after the work was done: seen in our rank jobs and in a torchrun benchmark
+    on a loaded CI machine). Whatever the caller wrote must be closed first; stdout and stderr are flushed here."""
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
