@@ -136,8 +136,10 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     def on_this_rank() -> Planned:  # steps 1-3, no collective: `agree` shares the outcome
         adopted.extend(quant.adopt(model))  # 1. GGUF / fp8r Linears as nn.Linears: the one change before sharding
         planned = planned_for(model, plan, filter_fn)  # 2. the plan (changes nothing)
-        if pad_heads:  # zero heads where the mesh does not divide them, checked before any is added
-            padded.extend(pad(model, planned, world))
+        if pad_heads:  # zero heads where the mesh does not divide them, all found and checked before any is added
+            for p in head_paddings(model, planned, world, lambda path: block_path(model, path)[0]):
+                heads_padding.pad(model.get_submodule(p.block), [p.padding])
+                padded.append(p)  # undone below if anything after it refuses, here or on another rank
         check_planned(model, planned, world, plan, filter_fn)  # 3. every check
         check_source(model, src_data_rank, world)
         return planned
@@ -161,15 +163,6 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
         broadcast_replicated(model, mesh, src_data_rank)
     pack_sharded(model, planned, mesh)
     return model
-
-
-def pad(model: nn.Module, planned: Planned, world: int) -> list:
-    """Give every planned attention whose heads a mesh of `world` does not divide zero heads up to a multiple of it
-    (`surgery.parallel.padding`: all found and checked before the first is padded); what `unpad` undoes."""
-    found = head_paddings(model, planned, world, lambda path: block_path(model, path)[0])
-    for p in found:
-        heads_padding.pad(model.get_submodule(p.block), [p.padding])
-    return found
 
 
 def shard_blocks(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_rank: int | None) -> None:
