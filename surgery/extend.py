@@ -17,7 +17,7 @@ from surgery.core import build
 from surgery.core.checks import check_hooks, check_linear, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import (
-    Leaf, Processors, columns, recast, register_edits, rows, runs_twin, swap_rewrite, translate, twin, under,
+    Leaf, Processors, columns, recast, register_edits, rows, runs_twin, swap_rewrite, translate, twin,
 )
 from surgery.core.registry import (
     Family,
@@ -31,9 +31,10 @@ from surgery.core.registry import (
 )
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.slicing import Slice, column_slices, row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection, SplitRows
+from surgery.core.split_projection import SplitProjection, SplitRows
 from surgery.parallel.derive import per_head_norm, processor_writes_in_place, qk_norms_per_head
 from surgery.parallel.families import derived_family
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 __all__ = [
     # describing a family
