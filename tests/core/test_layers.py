@@ -38,8 +38,10 @@ LAZY_ALLOWED = {
     "IPython": "there only inside a notebook",
 }
 
-# The families are data written on the extension surface alone (`surgery.extend`), and on each other.
-FAMILIES_MAY_IMPORT = {"extend", "families"}
+# The families are data written on the extension surface (`surgery.extend`) and on each other; the built-in ones are
+# in-house and take what only they need (slices, checks, the derivation's norms) from the engine's core and parallel
+# layers, never from io, integration or anything above them.
+FAMILIES_MAY_IMPORT = {"core", "parallel", "extend", "families"}
 
 
 def modules() -> dict[str, Path]:
@@ -248,6 +250,11 @@ class InstalledNames(unittest.TestCase):
             self.assertFalse(hasattr(surgery, old), old)
         with self.assertRaises(TypeError):
             Family(name="x", model_class=None, reduced=lambda c: c)
+        # the flat fields before the model / tp / tests grouping
+        for old in ("test_configs", "tp_plans", "tp_checks", "tp_when", "replicated", "rotary", "count_all_reduces",
+                    "rounds_to"):
+            with self.assertRaises(TypeError, msg=old):
+                Family(name="x", model_class=None, **{old: None})
         self.assertFalse(hasattr(Family, "aliases"))
         result = subprocess.run([sys.executable, "-c", "import surgery.inspect"], cwd=ROOT, capture_output=True,
                                 text=True)
