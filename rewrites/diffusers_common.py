@@ -11,8 +11,8 @@ and FLUX.1's single-stream block, `SINGLE_BLOCK_TP_PLAN`. diffusers' generic `At
 double-stream plan) in rewrites/qwenimage.py, for the processors that split heads by head_dim: QwenImage's and the
 head-dim twins of `surgery.core.leaves`.
 
-`surgery.core.split_projection.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
-`SplitProjection` compose it under its path in their own literal plans (`surgery.core.leaves.under`).
+`surgery.parallel.styles.SPLIT_PROJECTION_TP_PLAN` is not registered by class: the blocks that hold a
+`SplitProjection` compose it under its path in their own literal plans (`surgery.parallel.styles.under`).
 
 The rest is what several family files share beyond plans, kept here so that no family file imports another's
 (except where diffusers' own module imports the other: chroma from flux, hunyuan_video_framepack from
@@ -44,13 +44,13 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import Leaf, recast, under
+from surgery.core.leaves import Leaf, recast
 from surgery.core.slicing import row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.extend import (
     Family, Processors, Rewrite, TensorParallel, Tests, columns, derived_family, register_edits, rows, swap_rewrite,
 )
 from surgery.parallel.derive import per_head_norm
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
 HEAD_NORM = per_head_norm(2)

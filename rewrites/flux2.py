@@ -33,9 +33,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM, SplitQKV, fused_qkv_rewrite
 from surgery.core import build
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import under
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.extend import Family, TensorParallel, Tests, columns, rows, swap_rewrite
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # --- the leaves -----------------------------------------------------------------------------------------------------
 

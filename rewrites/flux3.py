@@ -40,8 +40,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, SplitQKV, fused_qkv_rewrite
 from surgery.core.errors import SurgeryError
-from surgery.core.leaves import translate, under
+from surgery.core.leaves import translate
 from surgery.extend import Family, Processors, TensorParallel, Tests, rows, swap_rewrite
+from surgery.parallel.styles import under
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
 

@@ -41,9 +41,8 @@ from surgery_rewrites.diffusers_common import (
     balanced_rope_axes,
     flux_like_rewrites,
 )
-from surgery.core.leaves import under
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.extend import Family, Processors, TensorParallel, Tests, swap_rewrite
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (

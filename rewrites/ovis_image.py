@@ -37,10 +37,10 @@ from surgery_rewrites.diffusers_common import (
     flux_like_rewrites,
     reduced,
 )
-from surgery.core.leaves import recast, twin, under
+from surgery.core.leaves import recast, twin
 from surgery.core.slicing import row_slices
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN
 from surgery.extend import Family, Processors, Rewrite, TensorParallel, Tests, register_edits, rows
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # its gated MLP is split by the global widths: halves of whatever width the rank holds instead
 register_edits(OvisImageSingleTransformerBlock, "forward", (

@@ -68,12 +68,6 @@ def recast(module: nn.Module, cls: type[nn.Module] | None = None, **replace: nn.
     return new
 
 
-def under(prefix: str, plan: dict) -> dict:
-    """`plan` (keys relative to a module) with its keys relative to a parent that holds the module at `prefix`: how a
-    block's literal plan composes a shared module's plan (`{**under("proj_out", SPLIT_PROJECTION_TP_PLAN)}`)."""
-    return {".".join(p for p in (prefix, key) if p): style for key, style in plan.items()}
-
-
 # --- leaves ------------------------------------------------------------------------------------------------------
 
 

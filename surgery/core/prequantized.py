@@ -202,8 +202,9 @@ def from_parameter(param: torch.Tensor, dtype: torch.dtype) -> GGUFWeight:
 
 def _adopt(model: nn.Module, match, weight_of) -> list[tuple[nn.Module, str, nn.Module]]:
     """Replace each module `match` accepts by a plain `nn.Linear` of its shape holding `weight_of(module)` and its
-    bias; returns `(parent, name, module)` for `restore_adopted`."""
-    swaps = []
+    bias; returns `(parent, name, module)` for `restore_adopted`. Every replacement is built before the first is
+    swapped in, so one that fails leaves the model as it was."""
+    built = []
     for path, module in list(model.named_modules()):
         if not match(module):
             continue
@@ -214,10 +215,10 @@ def _adopt(model: nn.Module, match, weight_of) -> list[tuple[nn.Module, str, nn.
             linear.bias = module.bias
         linear.train(module.training)
         owner, _, name = path.rpartition(".")
-        parent = model.get_submodule(owner)
+        built.append((model.get_submodule(owner), name, module, linear))
+    for parent, name, _, linear in built:
         setattr(parent, name, linear)
-        swaps.append((parent, name, module))
-    return swaps
+    return [(parent, name, module) for parent, name, module, _ in built]
 
 
 def adopt_gguf(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

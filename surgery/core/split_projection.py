@@ -43,8 +43,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor.parallel import PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor import DTensor
 
 from surgery.core.slicing import Slice, back_to_back, column_slices, row_slices
 
@@ -113,15 +112,6 @@ class SplitProjection(SplitLeaf):
         attn, mlp = self.attn_part.in_features, self.mlp_part.in_features
         width = x.shape[-1] * attn // (attn + mlp)  # the attention's share of the (local) concatenation
         return self.attn_part(x[..., :width]) + self.mlp_part(x[..., width:])
-
-
-# Both parts leave partial sums; the module's output resolves them with one all-reduce (before any gate or residual).
-# Families compose it under the leaf's path (`surgery.core.leaves.under("proj_out", SPLIT_PROJECTION_TP_PLAN)`).
-SPLIT_PROJECTION_TP_PLAN = {
-    ATTN_PART: RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    MLP_PART: RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "": PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Replicate()),
-}
 
 
 def split_projection_slices(name: str, module: nn.Module, attn_features: int | None = None) -> list[Slice]:

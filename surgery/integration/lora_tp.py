@@ -54,7 +54,7 @@ from surgery.integration.lora import split_adapter, stock_lora_adapter, write_ad
 from surgery.io.atomic import staged_folder
 from surgery.parallel.agreement import PIECE, SAMPLE, agree, agree_and_share, sampled_checksum, tensors_identity
 from surgery.parallel.plans import planned_modules
-from surgery.parallel.tensor_parallel import place
+from surgery.parallel.quantized import place
 
 __all__ = ["shard_lora", "linear_styles"]
 

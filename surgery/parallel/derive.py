@@ -32,11 +32,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
-from surgery.core.leaves import is_twin, runs_twin, under
+from surgery.core.leaves import is_twin, runs_twin
 from surgery.core.norms import ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
-from surgery.core.split_projection import SPLIT_PROJECTION_TP_PLAN, SplitProjection
+from surgery.core.split_projection import SplitProjection
 from surgery.parallel.dtensor_attention import ImplicitReplication
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
 # `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),

@@ -26,6 +26,7 @@ from surgery.core.registry import families, resolve_model
 from surgery.core.rewrite import fuse, unfuse
 from surgery.core.walk import find_modules
 from surgery.parallel.decode import VERB as DECODE_VERB, decode_parallel
+from surgery.parallel import quantized
 from surgery.parallel.distributed import fake_process_group, one_dim_mesh
 from surgery.parallel.plans import checked_plan, planned_modules
 from surgery.parallel.tensor_parallel import tensor_parallel
@@ -70,10 +71,12 @@ def plan_component(name: str, model: nn.Module, world: int, *, required: bool = 
         if not planned_modules(model):
             reason = _no_plan_reason(model)
         else:
+            adopted = quantized.adopt(model)  # as tensor_parallel does first: GGUF / fp8r Linears as nn.Linears
             try:
                 checked_plan(model, None, None, world)  # the checks tensor_parallel makes, coverage included
-            except SurgeryError as error:
-                if required:
+            except BaseException as error:
+                quantized.unadopt(adopted)
+                if required or not isinstance(error, SurgeryError):
                     raise
                 reason = f"cannot be sharded over {world}: {str(error).removeprefix('surgery.tensor_parallel: ')}"
         if reason is not None and required:

@@ -1,8 +1,9 @@
 """Tensor-parallel plans: which modules a plan covers in a model, the plan each block gets, and plans as literals.
 
 A block's plan is assembled here, once: `planned_for` finds the planned modules (the registered per-class plans, or
-a user's literal `plan=`, kept by `filter_fn`), `block_plans` composes them by prefix into one plan per transformer
-block, and `effective_plan` shows the result as `tensor_parallel` applies it. `style_source` and `plan_source` write
+a user's literal `plan=`, kept by `filter_fn`), `check_planned` checks them, `block_plans` composes them by prefix
+into one plan per transformer block, and `effective_plan` shows the result as `tensor_parallel` applies it. Nothing
+here changes a model. `style_source` and `plan_source` write
 stock styles and plans back as the Python a user would type.
 """
 
@@ -26,7 +27,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from surgery.core.prequantized import adopt_prequantized, restore_adopted
 from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
@@ -472,23 +472,25 @@ def check_whole_units(model: nn.Module, planned: Planned, given: str) -> None:
             )
 
 
+def check_planned(model: nn.Module, planned: Planned, world: int, plan: dict | None = None,
+                  filter_fn: FilterFn | None = None) -> None:
+    """Every check of `planned` (what `planned_for(model, plan, filter_fn)` returned) for a mesh of `world` ranks,
+    before anything changes; changes nothing itself."""
+    if plan is not None or filter_fn is not None:
+        check_whole_units(model, planned, "plan=" if plan is not None else "filter_fn")
+    # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
+    # owners are
+    check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
+    if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must
+        check_coverage(model, planned)
+
+
 def checked_plan(model: nn.Module, plan: dict | None, filter_fn: FilterFn | None, world: int) -> Planned:
-    """The one entry point of the verbs: the planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and
-    of `load_tensor_parallel`), built and checked for a mesh of `world` ranks. A GGUF model's `GGUFLinear`s become
-    `nn.Linear`s over the same bytes (`surgery.core.prequantized`), put back if a check refuses."""
-    adopted = adopt_prequantized(model)
-    try:
-        planned = planned_for(model, plan, filter_fn)
-        if plan is not None or filter_fn is not None:
-            check_whole_units(model, planned, "plan=" if plan is not None else "filter_fn")
-        # a literal plan names leaves; the modules above them (attention: heads) are checked as the registered plans'
-        # owners are
-        check_plan(model, planned if plan is None else [*enclosing(model, planned), *planned], world)
-        if plan is None and filter_fn is None:  # a literal plan or a filter names what stays whole; the registry must
-            check_coverage(model, planned)
-    except BaseException:
-        restore_adopted(adopted)
-        raise
+    """The planned modules of `tensor_parallel(model, mesh, plan, filter_fn)` (and of `load_tensor_parallel`), built
+    and checked for a mesh of `world` ranks: `planned_for`, then `check_planned`. Changes nothing: a pre-quantized
+    model's Linears are adopted by the verbs first (`surgery.parallel.quantized.adopt`)."""
+    planned = planned_for(model, plan, filter_fn)
+    check_planned(model, planned, world, plan, filter_fn)
     return planned
 
 

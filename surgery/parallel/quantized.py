@@ -10,6 +10,10 @@ weight quantized whole, cutting each inner tensor where this rank's part lies, s
 An inner tensor is cut along the weight's cut dimension when it has one entry per block of that dimension; it stays
 whole when it has one entry for the whole dimension (a per-row scale under a rowwise cut). A cut that does not fall on
 a block boundary (per-group scales of 128 columns cut into 96-column shards) is refused with the module and numbers.
+
+This module is the one seam between sharding and quantization: `tensor_parallel` adopts a pre-quantized model's
+Linears (`adopt`), places each planned parameter with `place_parameter`, and moves, frees and refills every
+parameter through `parts` (a plain tensor's parts: itself), so the sharding code takes no branch on quantization.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch.distributed.tensor._ops._matrix_ops import mm_strategy
 from torch.distributed.tensor._ops.utils import register_op_strategy
 
 from surgery.core.errors import SurgeryError
-from surgery.core.prequantized import gguf_weight, type_name
+from surgery.core.prequantized import adopt_prequantized, gguf_weight, restore_adopted, type_name
 
 
 def torchao_tensor(tensor: torch.Tensor) -> bool:
@@ -125,12 +129,73 @@ def check_split(tensor: torch.Tensor, dim: int, world: int, path: str) -> None:
     _inner_placements(tensor, dim, world, path)
 
 
+def adopt(model: nn.Module) -> list:
+    """The one change `tensor_parallel` makes to a model before sharding it: diffusers' GGUF and fp8r Linears become
+    plain `nn.Linear`s over the same bytes (`surgery.core.prequantized`), which the stock styles and the checks take.
+    Every replacement is built before the first is swapped in; returns what `unadopt` puts back (empty for a model
+    without such Linears)."""
+    return adopt_prequantized(model)
+
+
+def unadopt(adopted: list) -> None:
+    """Put back the Linears `adopt` replaced: a refused or failed verb leaves the model as it was."""
+    restore_adopted(adopted)
+
+
+def parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold `tensor`'s values: itself, or a quantized weight's inner tensors (values, scales), in
+    the same order for a weight and the sharded one that replaces it. What sharding moves, frees and refills."""
+    if quantized(tensor):
+        return [part for part in _inner(tensor)[0].values() if part is not None]
+    return [tensor]
+
+
+def place_parameter(param: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None,
+                    path: str) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """(what the stock styles should find at `param`'s place, what takes its place after them); None: nothing.
+
+    A plain weight not yet on the mesh's device becomes a DTensor, moving only this rank's shard (`place`); one
+    already placed (a DTensor, on the mesh's device, or meta) is left to the styles. A quantized weight becomes
+    torchao's own sharded layout (`shard_quantized`; as it is where a sharded load read this rank's cut), which the
+    stock styles cannot take (they would `distribute_tensor` it): a meta DTensor of its placement stands in while
+    they run, and the sharded weight (frozen, as quantized weights are) replaces it after them."""
+    if not quantized(param):
+        if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
+            return None, None
+        return nn.Parameter(place(param.detach(), placement, mesh, src_data_rank), param.requires_grad), None
+    sharded = param.detach() if mesh_of(param) is not None else shard_quantized(
+        param.detach(), placement, mesh, src_data_rank, path)
+    pieces = torch.empty(param.shape, device="meta").chunk(mesh.size(), placement.dim)
+    stand_in = DTensor.from_local(pieces[mesh.get_local_rank()], mesh, (placement,), run_check=False)
+    return nn.Parameter(stand_in, requires_grad=False), nn.Parameter(sharded, requires_grad=False)
+
+
+def place(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> DTensor:
+    """`tensor` (whole, on any device) as a DTensor on `mesh`, moving only this rank's shard to the mesh's device.
+
+    `src_data_rank=None` keeps this rank's own values; a rank number sends that rank's values one shard at a time
+    (a broadcast per shard: at most one shard besides this rank's own on the device at once).
+    """
+    pieces = tensor.chunk(mesh.size(), placement.dim) if isinstance(placement, Shard) else (tensor,)
+    rank = mesh.get_local_rank() if len(pieces) > 1 else 0
+    local = pieces[rank].to(mesh.device_type).contiguous()
+    if src_data_rank is not None:
+        group = mesh.get_group()
+        src = dist.get_global_rank(group, src_data_rank)
+        for i, piece in enumerate(pieces):
+            mine = mesh.get_local_rank() == src_data_rank
+            buffer = piece.to(mesh.device_type).contiguous() if mine else torch.empty_like(local)
+            dist.broadcast(buffer, src=src, group=group)
+            if i == rank:
+                local = buffer
+    return DTensor.from_local(local, mesh, (placement,), run_check=False)
+
+
 def shard_quantized(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None,
-                    path: str, place) -> torch.Tensor:
+                    path: str) -> torch.Tensor:
     """The torchao tensor `tensor` (quantized whole) as torchao's own sharded layout on `mesh`: the same class around
-    DTensor inner tensors, each this rank's cut (or whole) and moved to the mesh's device; an integer `src_data_rank`
-    gives every rank that rank's values (a broadcast per inner shard). `place(tensor, placement, mesh, src_data_rank)`
-    moves one plain tensor's shard: the unquantized path's own mover, for each inner tensor."""
+    DTensor inner tensors, each this rank's cut (or whole) and moved to the mesh's device by `place`; an integer
+    `src_data_rank` gives every rank that rank's values (a broadcast per inner shard)."""
 
     enable_quantized_ops()
     inner, meta = _inner(tensor)
@@ -164,49 +229,6 @@ def held_bytes(model: nn.Module) -> int:
     scales), not by the float dtype it presents."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(part.nbytes for t in tensors for part in local_parts(t))
-
-
-def broadcast_quantized(tensor: torch.Tensor, mesh: DeviceMesh, src_data_rank: int) -> None:
-    """Give a quantized weight held whole on each rank the values rank `src_data_rank` holds (inner tensors that are
-    DTensors came from that rank when they were placed)."""
-    group = mesh.get_group()
-    src = dist.get_global_rank(group, src_data_rank)
-    for part in _inner(tensor)[0].values():
-        if isinstance(part, DTensor):
-            if not all(p.is_replicate() for p in part.placements):
-                continue
-            part = part.to_local()
-        if part is None or part.is_meta:
-            continue
-        if part.dtype.itemsize == 1 and part.is_floating_point():  # gloo sends no float8: send its bytes
-            part = part.view(torch.uint8)
-        on_mesh = part if part.device.type == mesh.device_type else part.to(mesh.device_type)
-        dist.broadcast(on_mesh, src=src, group=group)
-        if on_mesh is not part:
-            part.copy_(on_mesh)
-
-
-def release(tensor: torch.Tensor) -> None:
-    """Free what a quantized weight replaced by its shards stores (its inner tensors), keeping the object."""
-    for name, part in _inner(tensor)[0].items():
-        if part is not None:
-            setattr(tensor, name, torch.empty(0, dtype=part.dtype, device=part.device))
-
-
-def refill(original: torch.Tensor, current: torch.Tensor) -> None:
-    """Give a released quantized weight back the whole inner tensors of the sharded one that replaced it (an
-    all-gather per sharded inner tensor, in the same order on every rank)."""
-    for name, part in _inner(current)[0].items():
-        if part is not None:
-            whole = part.full_tensor() if isinstance(part, DTensor) else part
-            setattr(original, name, whole.detach().to(getattr(original, name).device).clone())
-
-
-def inner_pairs(current: torch.Tensor, original: torch.Tensor) -> list[tuple[DTensor, torch.Tensor]]:
-    """(sharded inner DTensor, the whole inner tensor it was cut from) for each sharded inner tensor."""
-    now, before = _inner(current)[0], _inner(original)[0]
-    return [(part, before[name]) for name, part in now.items()
-            if isinstance(part, DTensor) and part.placements[0].is_shard()]
 
 
 _ENABLED = False

@@ -4,6 +4,12 @@ Each module class that can be sharded has a plan of stock styles registered besi
 each family's file in `rewrites/`); a caller may pass a literal plan instead. The plan each block gets is assembled
 in `surgery.parallel.plans` (`effective_plan` shows it). Nothing here runs in forward: the plans' hooks and DTensor
 do all the work.
+
+`tensor_parallel` reads as its five steps, one call each: adopt a pre-quantized model's Linears
+(`surgery.parallel.quantized.adopt`, the one change before sharding), plan (`planned_for`, which changes nothing),
+check (`check_planned`), agree across ranks (`agree`), shard block by block (`shard_blocks`). Quantized weights
+go through `surgery.parallel.quantized` alone (`place_parameter`, `parts`): the sharding code here does not branch
+on them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from surgery.parallel.agreement import agree, fingerprint
 from surgery.parallel.distributed import one_dim_mesh
 from surgery.parallel.padding import head_paddings
 from surgery.parallel.plans import (
-    FilterFn, Planned, block_path, block_plans, checked_plan, linear_placements, plan_digest, planned_for,
+    FilterFn, Planned, block_path, block_plans, check_planned, linear_placements, plan_digest, planned_for,
 )
 
 
@@ -34,11 +40,9 @@ def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank
     """Place the planned Linears' parameters that are not on the mesh's device as DTensors, moving only shards.
 
     torch's `distribute_tensor` would first move each whole weight to the device; here each rank slices its shard
-    where the weight is and moves just that. The stock styles then find their parameters already placed.
-
-    A quantized weight (`surgery.parallel.quantized`) becomes torchao's own sharded layout, which the stock styles
-    cannot take (they would `distribute_tensor` it): it waits aside, a meta DTensor of its placement standing in
-    while the styles run; returns (Linear, name, Parameter) for `apply_block` to put back.
+    where the weight is and moves just that (`surgery.parallel.quantized.place_parameter`). The stock styles then
+    find their parameters already placed. What replaces a parameter only after the styles ran (a quantized weight in
+    torchao's sharded layout) is returned as (Linear, name, Parameter) for `apply_block` to put in.
     """
     aside = []
     for key, style in plan.items():
@@ -47,59 +51,25 @@ def shard_on_host(module: nn.Module, plan: dict, mesh: DeviceMesh, src_data_rank
         if placements is None:
             continue
         for name, param in list(linear.named_parameters(recurse=False)):
-            if quant.quantized(param):
-                placement = placements[name][0]
-                if quant.mesh_of(param) is not None:  # read as this rank's cut (load_tensor_parallel): as it is
-                    sharded = param.detach()
-                else:
-                    sharded = quant.shard_quantized(param.detach(), placement, mesh, src_data_rank,
-                                                    f"{key}.{name}", place)
-                aside.append((linear, name, nn.Parameter(sharded, requires_grad=False)))
-                pieces = torch.empty(param.shape, device="meta").chunk(mesh.size(), placement.dim)
-                stand_in = DTensor.from_local(pieces[mesh.get_local_rank()], mesh, (placement,), run_check=False)
-                setattr(linear, name, nn.Parameter(stand_in, requires_grad=False))
-                continue
-            if isinstance(param, DTensor) or param.device.type == mesh.device_type or param.is_meta:
-                continue
-            tensor = place(param.detach(), placements[name][0], mesh, src_data_rank)
-            setattr(linear, name, nn.Parameter(tensor, requires_grad=param.requires_grad))
+            now, after = quant.place_parameter(param, placements[name][0], mesh, src_data_rank, f"{key}.{name}")
+            if now is not None:
+                setattr(linear, name, now)
+            if after is not None:
+                aside.append((linear, name, after))
     return aside
-
-
-def place(tensor: torch.Tensor, placement, mesh: DeviceMesh, src_data_rank: int | None) -> DTensor:
-    """`tensor` (whole, on any device) as a DTensor on `mesh`, moving only this rank's shard to the mesh's device.
-
-    `src_data_rank=None` keeps this rank's own values; a rank number sends that rank's values one shard at a time
-    (a broadcast per shard: at most one shard besides this rank's own on the device at once).
-    """
-    pieces = tensor.chunk(mesh.size(), placement.dim) if isinstance(placement, Shard) else (tensor,)
-    rank = mesh.get_local_rank() if len(pieces) > 1 else 0
-    local = pieces[rank].to(mesh.device_type).contiguous()
-    if src_data_rank is not None:
-        group = mesh.get_group()
-        src = dist.get_global_rank(group, src_data_rank)
-        for i, piece in enumerate(pieces):
-            mine = mesh.get_local_rank() == src_data_rank
-            buffer = piece.to(mesh.device_type).contiguous() if mine else torch.empty_like(local)
-            dist.broadcast(buffer, src=src, group=group)
-            if i == rank:
-                local = buffer
-    return DTensor.from_local(local, mesh, (placement,), run_check=False)
 
 
 def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int) -> None:
     """Give every parameter and buffer held whole on each rank the values rank `src_data_rank` holds.
 
     Covers plain tensors and replicated DTensors alike (`SequenceParallel` replicates norm weights with `from_local`,
-    which trusts every rank's copy).
+    which trusts every rank's copy), and the whole inner tensors of a quantized weight (a per-row scale under a
+    rowwise cut).
     """
     group = mesh.get_group()
     src = dist.get_global_rank(group, src_data_rank)
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if quant.quantized(tensor):
-                quant.broadcast_quantized(tensor, mesh, src_data_rank)
-                continue
+        for tensor in [part for t in [*model.parameters(), *model.buffers()] for part in quant.parts(t)]:
             if isinstance(tensor, DTensor):
                 if not all(p.is_replicate() for p in tensor.placements):
                     continue
@@ -107,6 +77,8 @@ def broadcast_replicated(model: nn.Module, mesh: DeviceMesh, src_data_rank: int)
             if tensor.is_meta:
                 continue
             data = tensor.detach()
+            if data.dtype.itemsize == 1 and data.is_floating_point():  # gloo sends no float8: send its bytes
+                data = data.view(torch.uint8)
             on_mesh = data if data.device.type == mesh.device_type else data.to(mesh.device_type)
             # a broadcast sends and fills memory in order: ranks whose copies are laid out differently (one stored
             # transposed) must meet in a dense buffer
@@ -158,16 +130,17 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
     """
     mesh = one_dim_mesh(mesh, "tensor_parallel")
     world = mesh.size()
+    adopted: list = []
     padded: list = []
 
-    def plan_and_check() -> Planned:
-        if pad_heads:
-            found = head_paddings(model, planned_for(model, plan, filter_fn), world,
-                                  lambda path: block_path(model, path)[0])
-            for p in found:  # checked first, then applied; undone below if any rank refuses
+    def on_this_rank() -> Planned:  # steps 1-3, no collective: `agree` shares the outcome
+        adopted.extend(quant.adopt(model))  # 1. GGUF / fp8r Linears as nn.Linears: the one change before sharding
+        planned = planned_for(model, plan, filter_fn)  # 2. the plan (changes nothing)
+        if pad_heads:  # zero heads where the mesh does not divide them, all found and checked before any is added
+            for p in head_paddings(model, planned, world, lambda path: block_path(model, path)[0]):
                 heads_padding.pad(model.get_submodule(p.block), [p.padding])
-                padded.append(p)
-        planned = checked_plan(model, plan, filter_fn, world)
+                padded.append(p)  # undone below if anything after it refuses, here or on another rank
+        check_planned(model, planned, world, plan, filter_fn)  # 3. every check
         check_source(model, src_data_rank, world)
         return planned
 
@@ -177,20 +150,26 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Parallel
             parts["call"]["plan"] = plan_digest(planned)
         return parts
 
-    # 1-3. build the plan, check it, and agree across ranks: every rank raises the same error or none does
     try:
-        planned = agree(mesh, "tensor_parallel", plan_and_check, fingerprint_of, reference=src_data_rank or 0)
-        # 4. shard block by block; a failure anywhere puts every rank's model back
-        done: list[ModuleStates] = []
-        for path, block_plan in block_plans(model, planned).items():
-            done.append(shard_block(model, path, block_plan, mesh, src_data_rank, done))
+        # 4. the ranks agree: every rank raises the same error, putting its model back, or none does
+        planned = agree(mesh, "tensor_parallel", on_this_rank, fingerprint_of, reference=src_data_rank or 0)
+        # 5. shard block by block; a failure anywhere puts every rank's model back
+        shard_blocks(model, planned, mesh, src_data_rank)
     except BaseException:
         unpad(model, padded)
+        quant.unadopt(adopted)
         raise
     if src_data_rank is not None:
         broadcast_replicated(model, mesh, src_data_rank)
     pack_sharded(model, planned, mesh)
     return model
+
+
+def shard_blocks(model: nn.Module, planned: Planned, mesh: DeviceMesh, src_data_rank: int | None) -> None:
+    """`shard_block` for every block, in order; a failure on any rank puts every rank's blocks back and raises."""
+    done: list[ModuleStates] = []
+    for path, block_plan in block_plans(model, planned).items():
+        done.append(shard_block(model, path, block_plan, mesh, src_data_rank, done))
 
 
 def unpad(model: nn.Module, padded: list) -> None:
@@ -306,26 +285,22 @@ class ModuleStates:
             for name, original in dicts["_parameters"].items():
                 if original is None or module._parameters.get(name) is original:
                     continue
-                self.released.append((module, name, original, original.shape))
-                if quant.quantized(original):
-                    quant.release(original)
-                    continue
-                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+                held = [(part, part.shape) for part in quant.parts(original)]
+                self.released.append((module, name, held))
+                for part, _ in held:
+                    part.data = torch.empty(0, dtype=part.dtype, device=part.device)
 
     def refill(self) -> None:
         """Put back the released Parameter objects, refilled with the whole values of the shards that replaced
-        them (an all-gather per sharded parameter, in the same order on every rank), then the modules' state."""
+        them (an all-gather per sharded tensor, in the same order on every rank), then the modules' state."""
         with torch.no_grad():
-            for module, name, original, shape in getattr(self, "released", []):
-                current = module._parameters[name]
-                if quant.quantized(original):
-                    quant.refill(original, current)
-                    continue
-                if original.is_meta or current.is_meta:
-                    original.data = torch.empty(shape, dtype=original.dtype, device="meta")
-                    continue
-                whole = current.full_tensor() if isinstance(current, DTensor) else current
-                original.data = whole.detach().to(original.device).clone()
+            for module, name, held in getattr(self, "released", []):
+                for (original, shape), current in zip(held, quant.parts(module._parameters[name])):
+                    if original.is_meta or current.is_meta:
+                        original.data = torch.empty(shape, dtype=original.dtype, device="meta")
+                        continue
+                    whole = current.full_tensor() if isinstance(current, DTensor) else current
+                    original.data = whole.detach().to(original.device).clone()
         self.restore()
 
     def originals(self) -> dict[tuple[int, str], torch.Tensor]:
@@ -350,14 +325,9 @@ def copy_from_source(model: nn.Module, originals: dict, mesh: DeviceMesh, src_da
                     # sharded before this block was (a root plan over blocks that were sharded on their own):
                     # its values came from the source rank then. Every rank skips it alike.
                     continue
-                if quant.quantized(param):
-                    pairs = quant.inner_pairs(param, original)
-                elif isinstance(param, DTensor) and param.placements[0].is_shard():
-                    pairs = [(param, original)]
-                else:
-                    continue
-                for sharded, whole in pairs:
-                    copy_shard(sharded, whole.detach(), mesh, src, src_data_rank)
+                for sharded, whole in zip(quant.parts(param), quant.parts(original)):
+                    if isinstance(sharded, DTensor) and sharded.placements[0].is_shard():
+                        copy_shard(sharded, whole.detach(), mesh, src, src_data_rank)
 
 
 def copy_shard(param: DTensor, original: torch.Tensor, mesh: DeviceMesh, src: int, src_data_rank: int) -> None:

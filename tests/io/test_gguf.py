@@ -8,12 +8,14 @@ import unittest
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from parameterized import parameterized
 
 import surgery
 from surgery.core.errors import SurgeryError
 from surgery.core.prequantized import GGUFWeight
 from surgery.io.loading import _load_single_file
+from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.plans import checked_plan
 from surgery.testing import FP32_TOL, run_on_cpu_ranks
 from surgery_rewrites.flux2 import example_inputs, seeded_model
@@ -178,6 +180,20 @@ class CutsInsideABlock(unittest.TestCase):
         for part in ("Q4_K", "blocks of 256", "512 columns into shards of 128", "mesh of 4"):
             self.assertIn(part, message)
         checked_plan(model, None, None, 2)
+
+    def test_a_refused_tensor_parallel_puts_diffusers_gguf_linears_back(self):
+        # tensor_parallel adopts diffusers' GGUFLinears (nn.Linears over the same bytes) before it plans; a refusal
+        # (here: the model is still fused) gives the very same GGUFLinears and bytes back
+        model = load_gguf(Path(folder()) / "Q4_K" / "model.gguf")
+        before = _stored(model)
+        classes = [type(m) for m in model.modules()]
+        self.assertIn("GGUFLinear", {c.__name__ for c in classes})
+        with fake_process_group(2):
+            with self.assertRaises(SurgeryError) as caught:
+                surgery.tensor_parallel(model, init_device_mesh("cpu", (2,)))
+        self.assertIn("is still a fused", str(caught.exception))
+        _assert_same(self, model, before)
+        self.assertEqual([type(m) for m in model.modules()], classes)
 
     def test_loading_refuses_a_rowwise_cut_inside_a_q4_k_block_before_reading(self):
         class FourRanks:  # what the loader asks of a mesh before its first read or collective

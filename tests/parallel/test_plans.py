@@ -30,8 +30,8 @@ import surgery
 from flux2_testing import build, inputs, small_config
 from surgery.app.cli import main
 from surgery.core.build import model_on_meta
-from surgery.core.leaves import under
 from surgery.core.registry import tp_plans
+from surgery.parallel.styles import under
 from surgery.parallel.plans import effective_plan, plan_source, style_source, style_state
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN

@@ -73,6 +73,17 @@ class OwnCopies(unittest.TestCase):
             self.assertIn("weights", message)
 
 
+class MidwayFailure(unittest.TestCase):
+    def test_every_rank_puts_its_quantized_weights_back_and_shards_again(self):
+        for rank, result in enumerate(results()):
+            for src in (0, None):
+                with self.subTest(rank=rank, src_data_rank=src):
+                    row = result["midway"][src]
+                    self.assertIn("simulated: out of memory while sharding", row["error"] or "")
+                    self.assertTrue(row["same"])
+                    self.assertLessEqual(row["retry"], FP32_TOL)
+
+
 class ShardThenQuantize(unittest.TestCase):
     @parameterized.expand([(n,) for n in EXACT])
     def test_equals_whole_quantized_model(self, name):

@@ -125,6 +125,7 @@ def run(rank: int, world: int) -> dict:
     result["dynamic_two_linears"] = two_linears(mesh, configs()["int8_dynamic_activation"])
     result["refusals"] = refusals(mesh, unfused)
     result["src_data_rank=None"] = own_copies(mesh, unfused, mine, kw)
+    result["midway"] = midway(mesh, unfused, kw)
     from surgery.sight.report import quantized_plan
 
     for quant, measured in (("int8", "int8_weight_only"), ("fp8", "float8_weight_only")):
@@ -182,6 +183,32 @@ def own_copies(mesh, unfused, mine, kw) -> dict:
         out["different weights"] = None
     except SurgeryError as error:
         out["different weights"] = str(error)
+    return out
+
+
+def midway(mesh, unfused, kw) -> dict:
+    """A failure while sharding block 2 on rank 1 of a quantized model: every rank puts back the very same Parameter
+    objects with the very same quantized values and scales (block 1, sharded already, refilled from its shards), and
+    the model then shards again."""
+    from agreement_worker import failing_in_block
+
+    qconfig = configs()["int8_weight_only"]
+    expected = _forward(quantize_all(copy.deepcopy(unfused), qconfig), kw)
+    out = {}
+    for src in (0, None):
+        model = quantize_all(copy.deepcopy(unfused), qconfig)
+        snap = {name: (p, [part.clone() for part in _parts(p)]) for name, p in model.named_parameters()}
+        with failing_in_block(2, 1, torch.distributed.get_rank()):
+            try:
+                surgery.tensor_parallel(model, mesh, src_data_rank=src)
+                error = None
+            except SurgeryError as caught:
+                error = str(caught)
+        now = dict(model.named_parameters())
+        same = all(now[name] is p and all(torch.equal(a, b) for a, b in zip(_parts(now[name]), parts))
+                   for name, (p, parts) in snap.items()) and now.keys() == snap.keys()
+        surgery.tensor_parallel(model, mesh, src_data_rank=src)
+        out[src] = {"error": error, "same": same, "retry": rel_err(_forward(model, kw), expected)}
     return out
 
 

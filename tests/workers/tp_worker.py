@@ -125,7 +125,7 @@ def check_place(rank, mesh) -> dict:
     """The host-side placement used when weights sit on another device than the mesh, run here on CPU."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from surgery.parallel.tensor_parallel import place
+    from surgery.parallel.quantized import place
 
     mine = torch.randn(8, 12, generator=torch.Generator().manual_seed(rank))
     rank0 = torch.randn(8, 12, generator=torch.Generator().manual_seed(0))
