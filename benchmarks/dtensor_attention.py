@@ -50,7 +50,7 @@ from surgery.testing import seeded_model  # noqa: E402
 def attention_call(heads: int, head_dim: int, tokens: int):
     """MiniMax-H3's first block attention, stock and twin, and the arguments one forward calls it with."""
     family = families()["minimax-h3"]
-    config = {**family.test_configs["tiny"], "num_attention_heads": heads, "attention_head_dim": head_dim,
+    config = {**family.tests.configs["tiny"], "num_attention_heads": heads, "attention_head_dim": head_dim,
               "hidden_size": heads * head_dim, "num_layers": 1, "num_refiner_layers": 1,
               "time_embed_hidden_dim": heads * head_dim}
     model = seeded_model(family, config, 0)

@@ -56,7 +56,7 @@ def status(field: str) -> int:
 def build_config(args) -> dict:
     family = surgery.extend.families()[args.family]
     if args.smoke:
-        return dict(family.test_configs["dev_small" if args.family == "flux2" else "tp_dev"])
+        return dict(family.tests.configs["dev_small" if args.family == "flux2" else "tp_dev"])
     return dict(family.config(args.variant), num_layers=1, num_single_layers=1)
 
 

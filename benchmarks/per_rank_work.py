@@ -141,7 +141,7 @@ def configure(args) -> tuple:
     family = families()[name]
     args.width = args.width or (tiny if args.tiny else width)
     args.tokens = args.tokens or (16 if args.tiny else 4096)
-    known = {**family.test_configs, **family.variants}
+    known = {**family.tests.configs, **family.variants}
     if args.width not in known:
         raise SystemExit(f"per_rank_work.py: --width {args.width} is not a {args.model} width; known: "
                          f"{', '.join(sorted(known))}")

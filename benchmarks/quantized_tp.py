@@ -50,7 +50,7 @@ def configs() -> dict:
 def model_and_inputs(args):
     from surgery_rewrites.flux2 import FAMILY, example_inputs, seeded_model
 
-    config = (dict(FAMILY.test_configs["tp_wide"]) if args.smoke
+    config = (dict(FAMILY.tests.configs["tp_wide"]) if args.smoke
               else dict(FAMILY.config(args.variant), num_layers=1, num_single_layers=1))
     tokens = (16, 8) if args.smoke else (256, 64)
     model = surgery.unfuse(seeded_model(config, 0, torch.float32))

@@ -71,7 +71,7 @@ def base_model(args, device):
 
     family = surgery.extend.families()[args.family]
     dtype = getattr(torch, args.dtype)
-    return seeded_model(family, family.test_configs[args.config], args.seed, dtype).to(device), family
+    return seeded_model(family, family.tests.configs[args.config], args.seed, dtype).to(device), family
 
 
 def batch(family, model_config: dict, args, step: int, dtype) -> tuple[dict, torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.ace_step_transformer import AceStepAttention, AceStepTransformer1DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def ace_step_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -37,10 +37,12 @@ FAMILIES = (
         "listed",
         default_variant="1.5",
         example_inputs=ace_step_inputs,
-        # diffusers' AceStepTransformer1DModelTesterConfig with 8 query and 4 key/value heads (theirs: 4 and 2) so
-        # that a mesh of 4 splits the key/value heads too, each still serving two query heads
-        test_configs={"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=4, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8,
-                                   patch_size=2, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=16)},
+        tests=Tests(
+            # diffusers' AceStepTransformer1DModelTesterConfig with 8 query and 4 key/value heads (theirs: 4 and 2) so
+            # that a mesh of 4 splits the key/value heads too, each still serving two query heads
+            configs={"tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=8, in_channels=24, audio_acoustic_hidden_dim=8,
+                                  patch_size=2, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=16)},
+        ),
     ),
 )

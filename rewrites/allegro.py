@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import AllegroAttnProcessor2_0, Attention
 from diffusers.models.transformers.transformer_allegro import AllegroTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -43,8 +43,10 @@ FAMILY = derived_family(
     "attention 2304 over T5-XXL's 4096; diffusers docs/source/en/api/models/allegro_transformer3d.md loads it)",
     default_variant="t2v",
     example_inputs=allegro_inputs,
-    # heads x head size a multiple of 16 (its 3D sin-cos positional embedding)
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-                               num_layers=2, cross_attention_dim=32, sample_width=8, sample_height=8,
-                               sample_frames=8, caption_channels=16)},
+    tests=Tests(
+        # heads x head size a multiple of 16 (its 3D sin-cos positional embedding)
+        configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                              num_layers=2, cross_attention_dim=32, sample_width=8, sample_height=8,
+                              sample_frames=8, caption_channels=16)},
+    ),
 )

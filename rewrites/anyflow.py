@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_anyflow as anyflow
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, cast_inputs
 
 
@@ -59,5 +59,5 @@ FAMILY = derived_family(
     "those configs: scripts/convert_wan_to_diffusers.py)",
     default_variant="wan2.1-t2v-14b",
     example_inputs=anyflow_inputs,
-    test_configs={"tiny": _ANYFLOW_TINY},
+    tests=Tests(configs={"tiny": _ANYFLOW_TINY}),
 )

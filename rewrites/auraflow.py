@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention, AuraFlowAttnProcessor2_0, FusedAuraFlowAttnProcessor2_0
 from diffusers.models.transformers.auraflow_transformer_2d import AuraFlowTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -44,8 +44,8 @@ FAMILY = derived_family(
     "aspect ratios, as p1atdev/vision-ft's DEFAULT_DENOISER_CONFIG reads it)",
     default_variant="v0.3",
     example_inputs=auraflow_inputs,
-    test_configs={"tiny": dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
-                               num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=4,
-                               caption_projection_dim=32, joint_attention_dim=16, out_channels=4,
-                               pos_embed_max_size=16)},
+    tests=Tests(configs={"tiny": dict(sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1,
+                                      num_single_dit_layers=1, attention_head_dim=8, num_attention_heads=4,
+                                      caption_projection_dim=32, joint_attention_dim=16, out_channels=4,
+                                      pos_embed_max_size=16)}),
 )

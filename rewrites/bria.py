@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_bria import (
 )
 
 from surgery_rewrites.diffusers_common import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.extend import Processors, derived_family
+from surgery.extend import Processors, Tests, derived_family
 
 REWRITES = flux_like_rewrites("bria", BriaSingleTransformerBlock, BriaAttention, Processors((BriaAttnProcessor,)))
 
@@ -69,6 +69,6 @@ FAMILY = derived_family(
     default_variant="3.2",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_bria_fibo import (
 )
 
 from surgery_rewrites.diffusers_common import flux_like_inputs, flux_like_rewrites, reduced
-from surgery.extend import Processors, derived_family, swap_rewrite
+from surgery.extend import Processors, TensorParallel, Tests, derived_family, swap_rewrite
 
 _SINGLE_ATTENTION = Processors((BriaAttnProcessor,))
 REWRITES = (
@@ -91,8 +91,11 @@ FAMILY = derived_family(
     default_variant="fibo",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    # one per block, ahead of the blocks: reads the text states (few tokens) every rank holds whole
-    replicated={BriaFiboTextProjection: {"linear": "the text states' per-block input projection, ahead of the blocks"}},
-    test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
+    tp=TensorParallel(
+        # one per block, ahead of the blocks: reads the text states (few tokens) every rank holds whole
+        replicated={BriaFiboTextProjection: {
+            "linear": "the text states' per-block input projection, ahead of the blocks"}},
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_bria_fibo2 import (
     BriaFibo2Transformer2DModel,
 )
 
-from surgery.extend import derived_family, register_edits
+from surgery.extend import Tests, derived_family, register_edits
 
 # The processor rule's head size is the module's `head_dim` or `inner_dim // heads`; this module keeps neither, so its
 # twin reads the head size off the width its query projection declares (the whole module's on any rank).
@@ -48,12 +48,14 @@ FAMILIES = (
         "its config.json unverified here)",
         default_variant="2.0",
         example_inputs=bria_fibo2_inputs,
-        # diffusers 0.42.1 ships no BriaFibo2 model test (none in its tests/models/transformers), so this is the
-        # smallest config of the architecture: 4 heads of 16 (a mesh of 2 and 4 splits them), one refiner block, two
-        # main blocks of which the second injects the text, a one-layer Perceiver and 4 to 8 gist tokens
-        test_configs={"tiny": dict(in_channels=4, patch_size=2, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4,
-                                   cap_feat_dim=32, injection_layer_ids=(1,), perceiver_num_layers=1,
-                                   min_num_gist_tokens=4, max_num_gist_tokens=8, gist_step=4, gist_min_text_len=2,
-                                   gist_max_text_len=16, axes_dims=(8, 4, 4), axes_lens=(32, 16, 16))},
+        tests=Tests(
+            # diffusers 0.42.1 ships no BriaFibo2 model test (none in its tests/models/transformers), so this is the
+            # smallest config of the architecture: 4 heads of 16 (a mesh of 2 and 4 splits them), one refiner block, two
+            # main blocks of which the second injects the text, a one-layer Perceiver and 4 to 8 gist tokens
+            configs={"tiny": dict(in_channels=4, patch_size=2, dim=64, n_layers=2, n_refiner_layers=1, n_heads=4,
+                                  cap_feat_dim=32, injection_layer_ids=(1,), perceiver_num_layers=1,
+                                  min_num_gist_tokens=4, max_num_gist_tokens=8, gist_step=4, gist_min_text_len=2,
+                                  gist_max_text_len=16, axes_dims=(8, 4, 4), axes_lens=(32, 16, 16))},
+        ),
     ),
 )

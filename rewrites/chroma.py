@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_chroma import ChromaSingleTransfo
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
 from surgery_rewrites.flux import check_single_block, flux1_single_block_rewrite, rope_axes_like_flux1
-from surgery.extend import Family
+from surgery.extend import Family, TensorParallel, Tests
 
 REWRITES = (flux1_single_block_rewrite("chroma.single_block", ChromaSingleTransformerBlock),)
 
@@ -104,10 +104,13 @@ FAMILY = Family(
     default_variant="hd",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    tp_checks=TP_CHECKS,
-    # per double block: to_out + to_add_out + ff + ff_context; per single block: one. (diffusers has no Chroma plan.)
-    count_all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        checks=TP_CHECKS,
+        # per double block: to_out + to_add_out + ff + ff_context; per single block: one. (diffusers has no Chroma
+        # plan.)
+        all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

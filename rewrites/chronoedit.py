@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from diffusers.models.transformers import transformer_chronoedit as chronoedit
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, wan_inputs
 
 
@@ -25,5 +25,5 @@ FAMILY = derived_family(
     default_variant="14b",
     # 16 image tokens make 2 latent frames: ChronoEdit's two-frame (edit) rotary path
     example_inputs=wan_inputs,
-    test_configs={"tiny_i2v": {**WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}, "tiny": WAN_TINY},
+    tests=Tests(configs={"tiny_i2v": {**WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}, "tiny": WAN_TINY}),
 )

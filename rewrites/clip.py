@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.extend import Family
+from surgery.extend import Family, TensorParallel
 
 _MODELING = "transformers.models.clip.modeling_clip"
 
@@ -36,6 +36,8 @@ def _text_model(module: nn.Module) -> bool:
 FAMILY = Family(
     name="clip",
     model_class=f"{_MODELING}.CLIPTextModel",
-    tp_plans={f"{_MODELING}.CLIPAttention": ATTENTION_TP_PLAN, f"{_MODELING}.CLIPMLP": MLP_TP_PLAN},
-    tp_when={f"{_MODELING}.CLIPAttention": _text_model, f"{_MODELING}.CLIPMLP": _text_model},
+    tp=TensorParallel(
+        plans={f"{_MODELING}.CLIPAttention": ATTENTION_TP_PLAN, f"{_MODELING}.CLIPMLP": MLP_TP_PLAN},
+        when={f"{_MODELING}.CLIPAttention": _text_model, f"{_MODELING}.CLIPMLP": _text_model},
+    ),
 )

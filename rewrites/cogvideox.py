@@ -11,7 +11,7 @@ from __future__ import annotations
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.cogvideox_transformer_3d import CogVideoXTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cogvideox_inputs
 
 
@@ -26,7 +26,7 @@ FAMILY = derived_family(
     "get_transformer_init_kwargs('1.0') and the class defaults)",
     default_variant="5b",
     example_inputs=cogvideox_inputs,
-    test_configs={
+    tests=Tests(configs={
         "tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=16,
                      text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4, sample_frames=5,
                      max_text_seq_length=8),
@@ -36,5 +36,5 @@ FAMILY = derived_family(
         "tiny_rope": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
                           time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4, sample_height=4,
                           sample_frames=5, max_text_seq_length=8, use_rotary_positional_embeddings=True),
-    },
+    }),
 )

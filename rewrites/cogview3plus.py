@@ -12,7 +12,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_cogview3plus import CogView3PlusTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -41,7 +41,7 @@ FAMILY = derived_family(
     "CogView3PlusTransformer2DModel())",
     default_variant="3b",
     example_inputs=cogview3plus_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-                               num_layers=2, text_embed_dim=16, time_embed_dim=16, condition_dim=4,
-                               pos_embed_max_size=8, sample_size=8)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                                      num_layers=2, text_embed_dim=16, time_embed_dim=16, condition_dim=4,
+                                      pos_embed_max_size=8, sample_size=8)}),
 )

@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_cogview4 import CogView4Transformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def cogview4_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -41,7 +41,7 @@ FAMILY = derived_family(
     sources="diffusers scripts/convert_cogview4_to_diffusers.py (CogView4-6B)",
     default_variant="6b",
     example_inputs=cogview4_inputs,
-    test_configs={"tiny": dict(num_layers=2, attention_head_dim=8, num_attention_heads=4, in_channels=4,
-                               out_channels=4, text_embed_dim=16, time_embed_dim=16, condition_dim=8,
-                               pos_embed_max_size=16, sample_size=16, rope_axes_dim=(4, 4))},
+    tests=Tests(configs={"tiny": dict(num_layers=2, attention_head_dim=8, num_attention_heads=4, in_channels=4,
+                                      out_channels=4, text_embed_dim=16, time_embed_dim=16, condition_dim=8,
+                                      pos_embed_max_size=16, sample_size=16, rope_axes_dim=(4, 4))}),
 )

@@ -15,7 +15,7 @@ from diffusers.models.transformers.consisid_transformer_3d import (
     PerceiverCrossAttention,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cogvideox_inputs
 
 
@@ -54,14 +54,16 @@ FAMILY = derived_family(
     "(cross attention every 2nd block, 16 heads of 128; the facial extractor's 10 layers) and is_train_face on",
     default_variant="preview",
     example_inputs=consisid_inputs,
-    # the face cross attention reads LFE_output_dim = 2/3 of the model width: heads of 12. 16 face queries: with 2,
-    # its q gradient is a difference of near-equal terms, 4e-5 apart between two fp32 summation orders
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=12, in_channels=4, out_channels=4,
-                               time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4,
-                               sample_height=4, sample_frames=5, max_text_seq_length=8, is_train_face=True,
-                               is_kps=False, cross_attn_interval=1, cross_attn_dim_head=8, cross_attn_num_heads=2,
-                               LFE_id_dim=8, LFE_vit_dim=8, LFE_depth=2, LFE_dim_head=8, LFE_num_heads=2,
-                               LFE_num_id_token=2, LFE_num_querie=16, LFE_output_dim=32, LFE_ff_mult=1,
-                               LFE_num_scale=2)},
-    replicated={PerceiverCrossAttention: {"to_*": FACE}, LocalFacialExtractor: {"*": FACE}},
+    tp=TensorParallel(replicated={PerceiverCrossAttention: {"to_*": FACE}, LocalFacialExtractor: {"*": FACE}}),
+    tests=Tests(
+        # the face cross attention reads LFE_output_dim = 2/3 of the model width: heads of 12. 16 face queries: with 2,
+        # its q gradient is a difference of near-equal terms, 4e-5 apart between two fp32 summation orders
+        configs={"tiny": dict(num_attention_heads=4, attention_head_dim=12, in_channels=4, out_channels=4,
+                              time_embed_dim=16, text_embed_dim=16, num_layers=2, sample_width=4,
+                              sample_height=4, sample_frames=5, max_text_seq_length=8, is_train_face=True,
+                              is_kps=False, cross_attn_interval=1, cross_attn_dim_head=8, cross_attn_num_heads=2,
+                              LFE_id_dim=8, LFE_vit_dim=8, LFE_depth=2, LFE_dim_head=8, LFE_num_heads=2,
+                              LFE_num_id_token=2, LFE_num_querie=16, LFE_output_dim=32, LFE_ff_mult=1,
+                              LFE_num_scale=2)},
+    ),
 )

@@ -10,7 +10,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_cosmos import CosmosTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import video_grid
 
 
@@ -80,11 +80,13 @@ FAMILY = derived_family(
     "q/k/v by the stored head count)",
     default_variant="1.0-7b-text2world",
     example_inputs=cosmos_inputs,
-    # no padding mask: diffusers resizes it with torchvision, which this stack does not install (the mask is one
-    # more input channel, read by the patch embedding every rank holds whole)
-    test_configs={
-        "tiny": {**_COSMOS_TINY, "extra_pos_embed_type": "learnable"},
-        "tiny_predict2.5": {**_COSMOS_TINY, "extra_pos_embed_type": None, "use_crossattn_projection": True,
-                            "crossattn_proj_in_channels": 24, "encoder_hidden_states_channels": 16},
-    },
+    tests=Tests(
+        # no padding mask: diffusers resizes it with torchvision, which this stack does not install (the mask is one
+        # more input channel, read by the patch embedding every rank holds whole)
+        configs={
+            "tiny": {**_COSMOS_TINY, "extra_pos_embed_type": "learnable"},
+            "tiny_predict2.5": {**_COSMOS_TINY, "extra_pos_embed_type": None, "use_crossattn_projection": True,
+                                "crossattn_proj_in_channels": 24, "encoder_hidden_states_channels": 16},
+        },
+    ),
 )

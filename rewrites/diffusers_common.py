@@ -43,23 +43,14 @@ from diffusers.models.attention_processor import (
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import Leaf, recast
+from surgery.core.slicing import row_slices
 from surgery.extend import (
-    Family,
-    Leaf,
-    Processors,
-    Rewrite,
-    SPLIT_PROJECTION_TP_PLAN,
-    SurgeryError,
-    columns,
-    derived_family,
-    per_head_norm,
-    recast,
-    register_edits,
-    row_slices,
-    rows,
-    swap_rewrite,
-    under,
+    Family, Processors, Rewrite, TensorParallel, Tests, columns, derived_family, register_edits, rows, swap_rewrite,
 )
+from surgery.parallel.derive import per_head_norm
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # QK-norms act on each rank's own heads ([batch, seq, heads, head_dim]): replicated weights, gradients summed.
 HEAD_NORM = per_head_norm(2)
@@ -273,11 +264,13 @@ def joyimage_family(name: str, model: type[nn.Module], attention: type[nn.Module
     rewrite = swap_rewrite(f"{name}.attention", attention, processors=Processors((processor,)),
                            leaves=(qkv_rows("img_attn_qkv", width), qkv_rows("txt_attn_qkv", width)))
     return derived_family(
-        name, model, rewrites=(rewrite,), tp_plans={attention: JOYIMAGE_ATTENTION_TP_PLAN},
+        name, model, rewrites=(rewrite,),
         variants={variant: dict(_JOYIMAGE)}, default_variant=variant,
         sources="diffusers scripts/convert_joyimage_edit_to_diffusers.py (TRANSFORMER_CONFIG: 40 double blocks, "
         "hidden 4096 = 32 heads of 128, text 4096, rope axes (16, 56, 56), theta 10000)",
-        example_inputs=example_inputs, test_configs={"tiny": dict(_JOYIMAGE_TINY)},
+        example_inputs=example_inputs,
+        tp=TensorParallel(plans={attention: JOYIMAGE_ATTENTION_TP_PLAN}),
+        tests=Tests(configs={"tiny": dict(_JOYIMAGE_TINY)}),
     )
 
 
@@ -381,8 +374,7 @@ GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0, H
 FAMILY = Family(
     name="diffusers-common",
     model_class=None,
-    tp_plans={FeedForward: FEED_FORWARD_TP_PLAN},
-    tp_checks={FeedForward: _check_feed_forward},
+    tp=TensorParallel(plans={FeedForward: FEED_FORWARD_TP_PLAN}, checks={FeedForward: _check_feed_forward}),
 )
 
 

@@ -12,7 +12,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.dit_transformer_2d import DiTTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -37,6 +37,6 @@ FAMILY = derived_family(
     "72, out_channels 8, sample_size image_size // 8)",
     default_variant="xl-2-256",
     example_inputs=dit_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
-                               num_layers=2, sample_size=8, num_embeds_ada_norm=10)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
+                                      num_layers=2, sample_size=8, num_embeds_ada_norm=10)}),
 )

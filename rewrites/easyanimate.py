@@ -13,7 +13,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_easyanimate import EasyAnimateTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -51,7 +51,7 @@ FAMILY = derived_family(
     "latent channels (16; 33 with the inpaint latents) and patch size 2 that the defaults leave unset",
     default_variant="v5.1-12b",
     example_inputs=easyanimate_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
-                               patch_size=2, num_layers=2, mmdit_layers=2, text_embed_dim=16,
-                               time_embed_dim=16, sample_height=16, sample_width=16)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
+                                      patch_size=2, num_layers=2, mmdit_layers=2, text_embed_dim=16,
+                                      time_embed_dim=16, sample_height=16, sample_width=16)}),
 )

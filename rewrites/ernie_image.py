@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_ernie_image import (
     ErnieImageTransformer2DModel,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -47,7 +47,7 @@ FAMILY = derived_family(
     "SwiGLU-like feed-forward of 12288, text 3072; the Turbo config adds LoRA fields the class ignores)",
     default_variant="base",
     example_inputs=ernie_image_inputs,
-    test_configs={"tiny": dict(hidden_size=32, num_attention_heads=4, num_layers=2, ffn_hidden_size=48,
-                               in_channels=8, out_channels=8, patch_size=1, text_in_dim=16,
-                               rope_axes_dim=(4, 2, 2))},
+    tests=Tests(configs={"tiny": dict(hidden_size=32, num_attention_heads=4, num_layers=2, ffn_hidden_size=48,
+                                      in_channels=8, out_channels=8, patch_size=1, text_in_dim=16,
+                                      rope_axes_dim=(4, 2, 2))}),
 )

@@ -37,18 +37,10 @@ from surgery_rewrites.diffusers_common import (
     fused_qkv_rewrite,
     qkv_fused,
 )
-from surgery.extend import (
-    Family,
-    Rewrite,
-    SurgeryError,
-    check_hooks,
-    check_linear,
-    columns,
-    fuse,
-    mesh_sizes_dividing,
-    swap_rewrite,
-    unfuse,
-)
+from surgery.core.checks import check_hooks, check_linear, mesh_sizes_dividing
+from surgery.core.errors import SurgeryError
+from surgery.core.rewrite import fuse, unfuse
+from surgery.extend import Family, Rewrite, TensorParallel, Tests, columns, swap_rewrite
 
 # --- the single-stream block ---------------------------------------------------------------------------------------
 
@@ -237,11 +229,13 @@ FAMILY = Family(
     default_variant="dev",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    tp_checks=TP_CHECKS,
-    # per double block: to_out + to_add_out + ff + ff_context; per single block: one (partial sums resolved once).
-    # diffusers' packed plan: the same (PackedRowwiseParallel all-reduces proj_out once).
-    count_all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        checks=TP_CHECKS,
+        # per double block: to_out + to_add_out + ff + ff_context; per single block: one (partial sums resolved once).
+        # diffusers' packed plan: the same (PackedRowwiseParallel all-reduces proj_out once).
+        all_reduces=lambda config: 4 * config.get("num_layers", 19) + config.get("num_single_layers", 38),
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

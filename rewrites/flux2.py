@@ -31,16 +31,10 @@ from diffusers.models.transformers.transformer_flux2 import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN, HEAD_NORM, SplitQKV, fused_qkv_rewrite
-from surgery.extend import (
-    Family,
-    SurgeryError,
-    SPLIT_PROJECTION_TP_PLAN,
-    build,
-    columns,
-    rows,
-    swap_rewrite,
-    under,
-)
+from surgery.core import build
+from surgery.core.errors import SurgeryError
+from surgery.extend import Family, TensorParallel, Tests, columns, rows, swap_rewrite
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # --- the leaves -----------------------------------------------------------------------------------------------------
 
@@ -196,11 +190,14 @@ FAMILY = Family(
     default_variant="klein-4b",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums resolved once)
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        # per double block: attention out + added out + ff + ff_context; per single block: one (partial sums
+        # resolved once)
+        all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )
 
 

@@ -39,15 +39,10 @@ from torch.distributed.tensor import Partial, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInputOutput, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import ATTENTION_TP_PLAN, SplitQKV, fused_qkv_rewrite
-from surgery.extend import (
-    Family,
-    Processors,
-    SurgeryError,
-    rows,
-    swap_rewrite,
-    translate,
-    under,
-)
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import translate
+from surgery.extend import Family, Processors, TensorParallel, Tests, rows, swap_rewrite
+from surgery.parallel.styles import under
 
 PROCESSORS = Processors((Flux3AttnProcessor,))
 
@@ -188,11 +183,14 @@ FAMILY = Family(
     default_variant="flux3",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    tp_when=TP_WHEN,
-    # 1 per mode block (text-, image- and reference-image-mode blocks, as example_inputs passes reference tokens), 2
-    # per joint single block (attention out, feed-forward out). Without reference tokens: 2 * num_layers + 2 * single.
-    count_all_reduces=lambda config: 3 * config.get("num_layers", 5) + 2 * config.get("num_single_layers", 28),
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        when=TP_WHEN,
+        # 1 per mode block (text-, image- and reference-image-mode blocks, as example_inputs passes reference
+        # tokens), 2 per joint single block (attention out, feed-forward out). Without reference tokens:
+        # 2 * num_layers + 2 * single.
+        all_reduces=lambda config: 3 * config.get("num_layers", 5) + 2 * config.get("num_single_layers", 28),
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

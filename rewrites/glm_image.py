@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_glm_image import GlmImageTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -46,7 +46,7 @@ FAMILY = derived_family(
     "1472, the AR prior's 16384-token codebook; diffusers docs/source/en/api/pipelines/glm_image.md loads it)",
     default_variant="base",
     example_inputs=glm_image_inputs,
-    test_configs={"tiny": dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
-                               num_attention_heads=4, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
-                               prior_vq_quantizer_codebook_size=64)},
+    tests=Tests(configs={"tiny": dict(patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+                                      num_attention_heads=4, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+                                      prior_vq_quantizer_codebook_size=64)}),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_helios import HeliosAttention, HeliosTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import video_grid
 
 
@@ -56,6 +56,6 @@ FAMILY = derived_family(
     "Helios-Distilled transformer/config.json against these numbers, is_amplify_history off)",
     default_variant="14b",
     example_inputs=helios_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-                               text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_dim=(2, 2, 4))},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                                      text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2, rope_dim=(2, 2, 4))}),
 )

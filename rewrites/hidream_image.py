@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_hidream_image import (
     TextProjection,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -65,12 +65,16 @@ FAMILY = derived_family(
     "HiDream's convert_hidream_to_diffusers.py writes it",
     default_variant="i1",
     example_inputs=hidream_inputs,
-    # Each expert's w2 is rowwise: its output is reduced before the routing weight multiplies it, so the router's
-    # gradient sees whole expert outputs. Inference (`moe_infer`) skips an expert no token was routed to, so a
-    # forward makes 1 + (experts routed to) all-reduces per MoE: the derived count (every expert) holds where
-    # every expert gets a token, always at 2 of 2 (diffusers' own test config), which the sharded case uses;
-    # `tiny_routed` (2 of 4) checks the routing against stock
-    test_configs={"tiny": _HIDREAM_TINY, "tiny_routed": {**_HIDREAM_TINY, "num_routed_experts": 4}},
-    replicated={TextProjection: {"linear": "a text encoder's features projected ahead of the blocks (one "
-                                           "projection per block, text tokens only); every rank holds them whole"}},
+    tp=TensorParallel(
+        replicated={TextProjection: {"linear": "a text encoder's features projected ahead of the blocks (one "
+                                               "projection per block, text tokens only); every rank holds them whole"}},
+    ),
+    tests=Tests(
+        # Each expert's w2 is rowwise: its output is reduced before the routing weight multiplies it, so the router's
+        # gradient sees whole expert outputs. Inference (`moe_infer`) skips an expert no token was routed to, so a
+        # forward makes 1 + (experts routed to) all-reduces per MoE: the derived count (every expert) holds where
+        # every expert gets a token, always at 2 of 2 (diffusers' own test config), which the sharded case uses;
+        # `tiny_routed` (2 of 4) checks the routing against stock
+        configs={"tiny": _HIDREAM_TINY, "tiny_routed": {**_HIDREAM_TINY, "num_routed_experts": 4}},
+    ),
 )

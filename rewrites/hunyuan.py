@@ -12,7 +12,7 @@ from diffusers.models.attention_processor import Attention
 from diffusers.models.embeddings import get_2d_rotary_pos_embed
 from diffusers.models.transformers.hunyuan_transformer_2d import HunyuanDiT2DModel, HunyuanDiTBlock
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -72,14 +72,16 @@ FAMILY = derived_family(
     "scripts/convert_hunyuandit_to_diffusers.py loads, with use_style_cond_and_image_meta_size False from v1.2",
     default_variant="v1.2",
     example_inputs=hunyuan_dit_inputs,
-    # "tiny" runs sharded; "tiny_skip"'s last block reads a long skip (`skip_linear`, whole on every rank), as
-    # every block past the middle does (four blocks of fp32 noise through the skips exceed the gradient tolerance
-    # at world 2, where float64 agrees to 1e-15)
-    test_configs={
-        "tiny": dict(_HUNYUAN_DIT_TINY, num_layers=2),
-        "tiny_skip": dict(_HUNYUAN_DIT_TINY, num_layers=4, use_style_cond_and_image_meta_size=False),
-    },
-    replicated={HunyuanDiTBlock: {
+    tp=TensorParallel(replicated={HunyuanDiTBlock: {
         "skip_linear": "the long skip's projection reads a LayerNorm over cat([hidden, skip]) at full width "
-        "(the residual stream every rank holds whole); one per block past the middle (19 of 40), 2 x 1408 -> 1408"}},
+        "(the residual stream every rank holds whole); one per block past the middle (19 of 40), 2 x 1408 -> 1408"}}),
+    tests=Tests(
+        # "tiny" runs sharded; "tiny_skip"'s last block reads a long skip (`skip_linear`, whole on every rank), as
+        # every block past the middle does (four blocks of fp32 noise through the skips exceed the gradient tolerance
+        # at world 2, where float64 agrees to 1e-15)
+        configs={
+            "tiny": dict(_HUNYUAN_DIT_TINY, num_layers=2),
+            "tiny_skip": dict(_HUNYUAN_DIT_TINY, num_layers=4, use_style_cond_and_image_meta_size=False),
+        },
+    ),
 )

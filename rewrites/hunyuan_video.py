@@ -34,7 +34,8 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTransformerBlock,
 )
 
-from surgery.extend import Processors, SurgeryError, columns, derived_family, swap_rewrite
+from surgery.core.errors import SurgeryError
+from surgery.extend import Processors, TensorParallel, Tests, columns, derived_family, swap_rewrite
 from surgery_rewrites.diffusers_common import video_grid
 
 PROCESSORS = Processors((HunyuanVideoAttnProcessor2_0,))
@@ -148,10 +149,10 @@ FAMILY = derived_family(
     default_variant="t2v",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    replicated={HunyuanVideoTokenRefiner: {
+    shrink_config=reduced,
+    tp=TensorParallel(replicated={HunyuanVideoTokenRefiner: {
         "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)",
         "token_refiner.refiner_blocks.*.norm_out.linear": "adaLN modulation of the replicated conditioning embedding",
-    }},
-    test_configs=TEST_CONFIGS,
-    shrink_config=reduced,
+    }}),
+    tests=Tests(configs=TEST_CONFIGS),
 )

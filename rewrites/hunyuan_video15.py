@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import (
     HunyuanVideo15Transformer3DModel,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 
 
 def hunyuan_video15_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8,
@@ -51,9 +51,9 @@ FAMILY = derived_family(
     "defaults: 54 layers, 16 heads of 128)",
     default_variant="720p-t2v",
     example_inputs=hunyuan_video15_inputs,
-    test_configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
-                               num_layers=2, num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8,
-                               image_embed_dim=8, rope_axes_dim=(2, 2, 4))},
-    replicated={HunyuanVideo15TokenRefiner: {
-        "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)"}},
+    tp=TensorParallel(replicated={HunyuanVideo15TokenRefiner: {
+        "proj_in": "the text states' input projection, ahead of the refiner blocks (text tokens only, small)"}}),
+    tests=Tests(configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                      num_layers=2, num_refiner_layers=1, text_embed_dim=16, text_embed_2_dim=8,
+                                      image_embed_dim=8, rope_axes_dim=(2, 2, 4))}),
 )

@@ -13,7 +13,7 @@ from diffusers.models.transformers.transformer_hunyuan_video_framepack import (
     HunyuanVideoFramepackTransformer3DModel,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.hunyuan_video import REWRITES as HUNYUAN_VIDEO_REWRITES, example_inputs as hunyuan_video_inputs
 
 
@@ -59,10 +59,10 @@ FAMILY = derived_family(
     "image projection of 1152 and the history embedder)",
     default_variant="i2v",
     example_inputs=framepack_inputs,
-    test_configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
-                               num_layers=1, num_single_layers=1, num_refiner_layers=1, text_embed_dim=16,
-                               pooled_projection_dim=8, rope_axes_dim=(2, 2, 4), has_image_proj=True,
-                               image_proj_dim=16, has_clean_x_embedder=True)},
-    replicated={FramepackClipVisionProjection: dict.fromkeys(
-        ("up", "down"), "the SigLIP image embedding's projection ahead of the blocks (a few image tokens)")},
+    tp=TensorParallel(replicated={FramepackClipVisionProjection: dict.fromkeys(
+        ("up", "down"), "the SigLIP image embedding's projection ahead of the blocks (a few image tokens)")}),
+    tests=Tests(configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=8,
+                                      num_layers=1, num_single_layers=1, num_refiner_layers=1, text_embed_dim=16,
+                                      pooled_projection_dim=8, rope_axes_dim=(2, 2, 4), has_image_proj=True,
+                                      image_proj_dim=16, has_clean_x_embedder=True)}),
 )

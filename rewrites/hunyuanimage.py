@@ -27,7 +27,8 @@ from diffusers.models.transformers.transformer_hunyuanimage import (
 )
 
 from surgery_rewrites.diffusers_common import SINGLE_BLOCK_TP_PLAN
-from surgery.extend import Family, Processors, SurgeryError, columns, swap_rewrite
+from surgery.core.errors import SurgeryError
+from surgery.extend import Family, Processors, TensorParallel, Tests, columns, swap_rewrite
 
 PROCESSORS = Processors((HunyuanImageAttnProcessor,))
 REWRITES = (
@@ -148,11 +149,13 @@ FAMILY = Family(
     default_variant="2.1",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one; per token-refiner block:
-    # its attention out and its feed-forward
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"]
-    + 2 * config.get("num_refiner_layers", 2),
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        # per double block: attention out + added out + ff + ff_context; per single block: one; per token-refiner block:
+        # its attention out and its feed-forward
+        all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"]
+        + 2 * config.get("num_refiner_layers", 2),
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_ideogram4 import (
     Ideogram4TransformerBlock,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 
 
 def ideogram4_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -49,12 +49,14 @@ FAMILIES = (
         "docstring: 34 blocks, 18 heads of 256, SwiGLU 12288, 53248 LLM features, M-RoPE sections (24, 20, 20))",
         default_variant="4",
         example_inputs=ideogram4_inputs,
-        # diffusers' Ideogram4TransformerTesterConfig, the feed-forward 64 wide (theirs: 32, the model's width, which
-        # leaves SwiGLU's output Linear unknown to the derivation)
-        test_configs={"tiny": dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
-                                   intermediate_size=64, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
-                                   mrope_section=(2, 1, 1), norm_eps=1e-5)},
-        replicated={Ideogram4TransformerBlock: {
-            "adaln_modulation": "adaptive-norm modulation of the replicated conditioning embedding"}},
+        tp=TensorParallel(replicated={Ideogram4TransformerBlock: {
+            "adaln_modulation": "adaptive-norm modulation of the replicated conditioning embedding"}}),
+        tests=Tests(
+            # diffusers' Ideogram4TransformerTesterConfig, the feed-forward 64 wide (theirs: 32, the model's width,
+            # which leaves SwiGLU's output Linear unknown to the derivation)
+            configs={"tiny": dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=4,
+                                  intermediate_size=64, adaln_dim=16, llm_features_dim=24, rope_theta=10_000,
+                                  mrope_section=(2, 1, 1), norm_eps=1e-5)},
+        ),
     ),
 )

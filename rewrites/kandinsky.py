@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_kandinsky import Kandinsky5Attention, Kandinsky5Transformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -45,9 +45,11 @@ FAMILY = derived_family(
     "(axes 16 + 24 + 24), feed-forward 7168, Qwen2.5-VL text 3584, CLIP-L pooled 768)",
     default_variant="t2v-lite",
     example_inputs=kandinsky5_inputs,
-    # its rotary casts q and k to bfloat16 (`apply_rotary`'s `.to(torch.bfloat16)`), also in a float32 model
-    rounds_to=torch.bfloat16,
-    test_configs={"tiny": dict(in_visual_dim=4, out_visual_dim=4, time_dim=16, patch_size=(1, 2, 2), model_dim=32,
-                               ff_dim=64, num_text_blocks=1, num_visual_blocks=2, axes_dims=(2, 2, 4),
-                               in_text_dim=16, in_text_dim2=8, visual_cond=True)},
+    tests=Tests(
+        # its rotary casts q and k to bfloat16 (`apply_rotary`'s `.to(torch.bfloat16)`), also in a float32 model
+        rounds_to=torch.bfloat16,
+        configs={"tiny": dict(in_visual_dim=4, out_visual_dim=4, time_dim=16, patch_size=(1, 2, 2), model_dim=32,
+                              ff_dim=64, num_text_blocks=1, num_visual_blocks=2, axes_dims=(2, 2, 4),
+                              in_text_dim=16, in_text_dim2=8, visual_cond=True)},
+    ),
 )

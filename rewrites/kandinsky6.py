@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6Attention, Kandinsky6Transformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def kandinsky6_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -47,14 +47,16 @@ FAMILIES = (
         "docstring says every released checkpoint sets (kandinskylab/Kandinsky-6.0-Pro-distill-5s-Diffusers)",
         default_variant="pro",
         example_inputs=kandinsky6_inputs,
-        # diffusers 0.42.1 ships no Kandinsky6 model test (none in its tests/models/transformers), so this is the
-        # smallest config of the released architecture: head size 4+2+2 = 8, 4 heads in every attention (a mesh of 2
-        # and 4 splits them), one text block per modality and one fused block. Through two fused blocks the second
-        # one's audio and video q/k norm weight gradients (sums over tokens that nearly cancel) moved by 3.7e-5 of
-        # their scale under the sharded summation order at world 2 (float64: 1e-14; heads of 16 no better); through
-        # one, by 3.8e-6 at most (world 2)
-        test_configs={"tiny": dict(RELEASED, in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8,
-                                   time_dim=16, model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1,
-                                   axes_dims=(4, 2, 2), in_audio_dim=4, out_audio_dim=4)},
+        tests=Tests(
+            # diffusers 0.42.1 ships no Kandinsky6 model test (none in its tests/models/transformers), so this is the
+            # smallest config of the released architecture: head size 4+2+2 = 8, 4 heads in every attention (a mesh of 2
+            # and 4 splits them), one text block per modality and one fused block. Through two fused blocks the second
+            # one's audio and video q/k norm weight gradients (sums over tokens that nearly cancel) moved by 3.7e-5 of
+            # their scale under the sharded summation order at world 2 (float64: 1e-14; heads of 16 no better); through
+            # one, by 3.8e-6 at most (world 2)
+            configs={"tiny": dict(RELEASED, in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8,
+                                  time_dim=16, model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1,
+                                  axes_dims=(4, 2, 2), in_audio_dim=4, out_audio_dim=4)},
+        ),
     ),
 )

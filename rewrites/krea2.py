@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_krea2 import Krea2Attention, Krea2Transformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def krea2_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -49,13 +49,15 @@ FAMILIES = (
         "tapped layers of a 2560-wide text encoder)",
         default_variant="2",
         example_inputs=krea2_inputs,
-        # diffusers' Krea2TransformerTesterConfig, with 8 query and 4 key/value heads (theirs: 4 and 2) so that a
-        # mesh of 4 splits the key/value heads too, and grouped queries still repeat each key/value head twice
-        test_configs={"tiny": dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=8,
-                                   num_key_value_heads=4, intermediate_size=32, timestep_embed_dim=8,
-                                   text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
-                                   text_num_key_value_heads=1, text_intermediate_size=16,
-                                   num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2),
-                                   rope_theta=1000.0, norm_eps=1e-5)},
+        tests=Tests(
+            # diffusers' Krea2TransformerTesterConfig, with 8 query and 4 key/value heads (theirs: 4 and 2) so that a
+            # mesh of 4 splits the key/value heads too, and grouped queries still repeat each key/value head twice
+            configs={"tiny": dict(in_channels=16, num_layers=2, attention_head_dim=8, num_attention_heads=8,
+                                  num_key_value_heads=4, intermediate_size=32, timestep_embed_dim=8,
+                                  text_hidden_dim=16, num_text_layers=3, text_num_attention_heads=2,
+                                  text_num_key_value_heads=1, text_intermediate_size=16,
+                                  num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 2, 2),
+                                  rope_theta=1000.0, norm_eps=1e-5)},
+        ),
     ),
 )

@@ -13,7 +13,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.latte_transformer_3d import LatteTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -48,9 +48,9 @@ FAMILY = derived_family(
     "temporal blocks of 16 heads x 72, PixArt-alpha's T5 caption projection; diffusers' Latte pipeline docs)",
     default_variant="1",
     example_inputs=latte_inputs,
-    test_configs={"tiny": dict(num_attention_heads=8, attention_head_dim=4, in_channels=4, out_channels=8,
-                               num_layers=2, cross_attention_dim=32, attention_bias=True, sample_size=8,
-                               patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
-                               norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
-                               caption_channels=16, video_length=2)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=8, attention_head_dim=4, in_channels=4, out_channels=8,
+                                      num_layers=2, cross_attention_dim=32, attention_bias=True, sample_size=8,
+                                      patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                                      norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+                                      caption_channels=16, video_length=2)}),
 )

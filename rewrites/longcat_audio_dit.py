@@ -13,7 +13,7 @@ from diffusers.models.transformers.transformer_longcat_audio_dit import (
     LongCatAudioDiTTransformer,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def longcat_audio_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -44,8 +44,10 @@ FAMILIES = (
         "that model's",
         default_variant="1b",
         example_inputs=longcat_audio_inputs,
-        # diffusers' LongCatAudioDiTTransformerTesterConfig
-        test_configs={"tiny": dict(dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8,
-                                   text_conv=False)},
+        tests=Tests(
+            # diffusers' LongCatAudioDiTTransformerTesterConfig
+            configs={"tiny": dict(dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=32, latent_dim=8,
+                                  text_conv=False)},
+        ),
     ),
 )

@@ -25,7 +25,7 @@ from diffusers.models.transformers.transformer_longcat_image import (
     LongCatImageTransformer2DModel,
 )
 
-from surgery.extend import Processors, derived_family
+from surgery.extend import Processors, Tests, derived_family
 from surgery_rewrites.diffusers_common import flux_like_inputs, flux_like_rewrites, reduced
 
 
@@ -71,6 +71,6 @@ FAMILY = derived_family(
     default_variant="base",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -3,7 +3,7 @@
 Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
 example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its processors rotate
 q and k across the whole attention width before splitting heads, so the family row names the attention's rotary
-arguments (`rotary=`): rewrites/ltx2.py says how the derived plan shares the tables.
+arguments (`TensorParallel(rotary=...)`): rewrites/ltx2.py says how the derived plan shares the tables.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_ltx import LTXAttention, LTXVideoTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import text_with_mask, video_grid
 
 
@@ -58,6 +58,6 @@ FAMILY = derived_family(
     "0.9.7+ 13B)",
     default_variant="13b",
     example_inputs=ltx_inputs,
-    test_configs={"tiny": _LTX_TINY, "tiny_2_blocks": {**_LTX_TINY, "num_layers": 2}},
-    rotary={LTXAttention: ("image_rotary_emb",)},
+    tp=TensorParallel(rotary={LTXAttention: ("image_rotary_emb",)}),
+    tests=Tests(configs={"tiny": _LTX_TINY, "tiny_2_blocks": {**_LTX_TINY, "num_layers": 2}}),
 )

@@ -3,10 +3,10 @@
 A derived family (`surgery.extend.derived_family`): published configs with their source, tiny test configs, example
 inputs.
 
-Its processors rotate q and k across the whole attention width before splitting heads, so the family row names the
-attention's rotary arguments (`rotary=`): the derived plan hands each rank its heads' share of the tables
-(`surgery.parallel.derive.RotaryAcrossWidth`; LTX-2's "split" tables `[batch, heads, tokens, head_dim / 2]` by their
-heads, the "interleaved" ones `[batch, tokens, width]` by their width). The rest is derived: head-dim twins of the
+Its processors rotate q and k across the whole attention width before splitting heads, so the family names the
+attention's rotary arguments (`TensorParallel(rotary=...)`): the derived plan hands each rank its heads' share of the
+tables (`surgery.parallel.derive.RotaryAcrossWidth`; LTX-2's "split" tables `[batch, heads, tokens, head_dim / 2]` by
+their heads, the "interleaved" ones `[batch, tokens, width]` by their width). The rest is derived: head-dim twins of the
 processors, q/k norms across heads by their statistic, LTX-2's per-head gates (`to_gate_logits`) colwise with the
 heads, the feed-forwards' shared plan.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_ltx2 import LTX2Attention, LTX2VideoTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import LTX2, LTX2_TINY, LTX2_WIDE, text_with_mask, video_grid
 
 
@@ -70,9 +70,11 @@ FAMILY = derived_family(
     "Lightricks/LTX-2.3, Lightricks/LTX-2.5)",
     default_variant="2.3",
     example_inputs=ltx2_inputs,
-    # the first runs sharded in the conformance suite: LTX-2.3's gated, perturbed attention with split RoPE
-    # tables; the two-block ones (with attention biases, both RoPE layouts) in tests/families/test_ltx.py
-    test_configs={"tiny": _LTX2_TP, "tiny_2.3": {**LTX2_TINY, **_LTX2_3},
-                  "tiny_2.0_interleaved": {**LTX2_TINY, "rope_type": "interleaved"}},
-    rotary={LTX2Attention: ("query_rotary_emb", "key_rotary_emb")},
+    tp=TensorParallel(rotary={LTX2Attention: ("query_rotary_emb", "key_rotary_emb")}),
+    tests=Tests(
+        # the first runs sharded in the conformance suite: LTX-2.3's gated, perturbed attention with split RoPE
+        # tables; the two-block ones (with attention biases, both RoPE layouts) in tests/families/test_ltx.py
+        configs={"tiny": _LTX2_TP, "tiny_2.3": {**LTX2_TINY, **_LTX2_3},
+                 "tiny_2.0_interleaved": {**LTX2_TINY, "rope_type": "interleaved"}},
+    ),
 )

@@ -14,7 +14,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_lumina2 import Lumina2Transformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -50,8 +50,10 @@ FAMILY = derived_family(
     "layers, 24 heads of 96, 8 key/value heads)",
     default_variant="image-2.0",
     example_inputs=lumina2_inputs,
-    # 8 query heads in 4 groups of 2: worlds 2 and 4 split both counts
-    test_configs={"tiny": dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=64, num_layers=2,
-                               num_refiner_layers=1, num_attention_heads=8, num_kv_heads=4, multiple_of=8,
-                               axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=16)},
+    tests=Tests(
+        # 8 query heads in 4 groups of 2: worlds 2 and 4 split both counts
+        configs={"tiny": dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=64, num_layers=2,
+                              num_refiner_layers=1, num_attention_heads=8, num_kv_heads=4, multiple_of=8,
+                              axes_dim_rope=(4, 2, 2), axes_lens=(128, 128, 128), cap_feat_dim=16)},
+    ),
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3Attention, MiniMaxH3Transformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def minimax_h3_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -52,12 +52,14 @@ FAMILIES = (
         sources="diffusers scripts/convert_minimax_h3_to_diffusers.py, MINIMAX_H3_TRANSFORMER_CONFIG",
         default_variant="h3",
         example_inputs=minimax_h3_inputs,
-        # diffusers' MiniMaxH3TransformerTesterConfig with 4 heads (theirs: 2, which a mesh of 4 cannot split); the
-        # attention width (64) still differs from the model's (24), and 2 x 3 x rope_freq_dim (12) stays below the
-        # head size, so the partial-rotary path runs
-        test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=16, hidden_size=24, num_layers=2,
-                                   num_refiner_layers=2, ffn_dim=32, in_channels=4, audio_in_channels=6,
-                                   patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
-                                   time_embed_dim=16, rope_freq_dim=2)},
+        tests=Tests(
+            # diffusers' MiniMaxH3TransformerTesterConfig with 4 heads (theirs: 2, which a mesh of 4 cannot split); the
+            # attention width (64) still differs from the model's (24), and 2 x 3 x rope_freq_dim (12) stays below the
+            # head size, so the partial-rotary path runs
+            configs={"tiny": dict(num_attention_heads=4, attention_head_dim=16, hidden_size=24, num_layers=2,
+                                  num_refiner_layers=2, ffn_dim=32, in_channels=4, audio_in_channels=6,
+                                  patch_size=(1, 2, 2), text_dim=8, freq_dim=8, time_embed_hidden_dim=24,
+                                  time_embed_dim=16, rope_freq_dim=2)},
+        ),
     ),
 )

@@ -12,7 +12,7 @@ from diffusers.models.transformers.transformer_mochi import MochiRoPE, MochiTran
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 
@@ -54,8 +54,10 @@ FAMILY = derived_family(
     "the class defaults: 48 layers, 24 heads of 128, text 4096, pooled 1536)",
     default_variant="1-preview",
     example_inputs=mochi_inputs,
-    tp_plans={MochiRoPE: MOCHI_ROPE_TP_PLAN},
-    # feed-forward widths 8 x 48 // 3 = 128 and 8 x 24 // 3 = 64: worlds 2 and 4 split them
-    test_configs={"tiny": dict(patch_size=2, num_attention_heads=4, attention_head_dim=12, num_layers=2,
-                               pooled_projection_dim=24, in_channels=4, text_embed_dim=16, time_embed_dim=8)},
+    tp=TensorParallel(plans={MochiRoPE: MOCHI_ROPE_TP_PLAN}),
+    tests=Tests(
+        # feed-forward widths 8 x 48 // 3 = 128 and 8 x 24 // 3 = 64: worlds 2 and 4 split them
+        configs={"tiny": dict(patch_size=2, num_attention_heads=4, attention_head_dim=12, num_layers=2,
+                              pooled_projection_dim=24, in_channels=4, text_embed_dim=16, time_embed_dim=8)},
+    ),
 )

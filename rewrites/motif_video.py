@@ -41,7 +41,8 @@ from surgery_rewrites.diffusers_common import (
     balanced_rope_axes,
     flux_like_rewrites,
 )
-from surgery.extend import Family, Processors, SPLIT_PROJECTION_TP_PLAN, swap_rewrite, under
+from surgery.extend import Family, Processors, TensorParallel, Tests, swap_rewrite
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 _CROSS = Processors((MotifVideoCrossAttnProcessor2_0,))
 REWRITES = (
@@ -161,8 +162,7 @@ FAMILY = Family(
     default_variant="base",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    count_all_reduces=_all_reduces,
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(plans=TP_PLANS, all_reduces=_all_reduces),
+    tests=Tests(configs=TEST_CONFIGS),
 )

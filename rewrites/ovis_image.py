@@ -37,9 +37,10 @@ from surgery_rewrites.diffusers_common import (
     flux_like_rewrites,
     reduced,
 )
-from surgery.extend import (
-    Family, Processors, Rewrite, SPLIT_PROJECTION_TP_PLAN, recast, register_edits, row_slices, rows, twin, under,
-)
+from surgery.core.leaves import recast, twin
+from surgery.core.slicing import row_slices
+from surgery.extend import Family, Processors, Rewrite, TensorParallel, Tests, register_edits, rows
+from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
 # its gated MLP is split by the global widths: halves of whatever width the rank holds instead
 register_edits(OvisImageSingleTransformerBlock, "forward", (
@@ -195,9 +196,11 @@ FAMILY = Family(
     default_variant="7b",
     example_inputs=example_inputs,
     rewrites=REWRITES,
-    tp_plans=TP_PLANS,
-    # per double block: attention out + added out + ff + ff_context; per single block: one
-    count_all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
-    test_configs=TEST_CONFIGS,
     shrink_config=_reduced,
+    tp=TensorParallel(
+        plans=TP_PLANS,
+        # per double block: attention out + added out + ff + ff_context; per single block: one
+        all_reduces=lambda config: 4 * config["num_layers"] + config["num_single_layers"],
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

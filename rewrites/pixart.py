@@ -12,7 +12,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -57,7 +57,7 @@ FAMILY = derived_family(
     "defaults; diffusers scripts/convert_pixart_alpha_to_diffusers.py, convert_pixart_sigma_to_diffusers.py)",
     default_variant="sigma-1024",
     example_inputs=pixart_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
-                               num_layers=2, cross_attention_dim=32, caption_channels=16, sample_size=8,
-                               use_additional_conditions=False)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=8,
+                                      num_layers=2, cross_attention_dim=32, caption_channels=16, sample_size=8,
+                                      use_additional_conditions=False)}),
 )

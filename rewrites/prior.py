@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.prior_transformer import PriorTransformer
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -57,6 +57,6 @@ FAMILY = derived_family(
     "scripts/convert_shap_e_to_diffusers.py (PRIOR_CONFIG, PRIOR_IMAGE_CONFIG: openai/shap-e, shap-e-img2img)",
     default_variant="kandinsky-2.2",
     example_inputs=prior_inputs,
-    test_configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, num_layers=2, embedding_dim=32,
-                               num_embeddings=7, additional_embeddings=4)},
+    tests=Tests(configs={"tiny": dict(num_attention_heads=4, attention_head_dim=8, num_layers=2, embedding_dim=32,
+                                      num_embeddings=7, additional_embeddings=4)}),
 )

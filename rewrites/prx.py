@@ -21,7 +21,8 @@ from diffusers.models.transformers.transformer_prx import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import cast_inputs, qkv_rows
-from surgery.extend import Processors, derived_family, per_head_norm, register_edits, swap_rewrite
+from surgery.extend import Processors, TensorParallel, Tests, derived_family, register_edits, swap_rewrite
+from surgery.parallel.derive import per_head_norm
 
 register_edits(PRXAttnProcessor2_0, "__call__", (("3, attn.heads, attn.head_dim", "3, -1, attn.head_dim", 1),
                                                  ("2, attn.heads, attn.head_dim", "2, -1, attn.head_dim", 1)))
@@ -84,19 +85,23 @@ VARIANTS = {
 FAMILY = derived_family(
     "prx", PRXTransformer2DModel,
     rewrites=(ATTENTION,),
-    tp_plans={PRXBlock: BLOCK_TP_PLAN},
-    replicated={PRXBlock: {"modulation.lin": "adaptive-norm modulation of the replicated conditioning embedding"}},
     variants=VARIANTS,
     sources="diffusers scripts/convert_prx_to_diffusers.py (PRXFlux: 16 blocks, 28 heads of 64, MLP ratio 3.5, "
     "T5Gemma text 2304, AutoencoderKL latents; PRXDCAE: the same on 32-channel DC-AE latents; PRXPixel (7B): 24 "
     "blocks, 28 heads of 128, pixel patches of 16 through a 768 bottleneck, Qwen3-VL text 2048)",
     default_variant="flux",
     example_inputs=prx_inputs,
-    # diffusers' PRXTransformerTesterConfig is the published width (28 heads of 64, 4 blocks): here 4 heads of 16
-    # (worlds 2 and 4 split them), an MLP of int(64 * 3.5) = 224, two blocks, rotary axes (8, 8)
-    test_configs={"tiny": dict(in_channels=16, patch_size=2, context_in_dim=24, hidden_size=64, mlp_ratio=3.5,
-                               num_heads=4, depth=2, axes_dim=[8, 8], theta=10_000),
-                  "pixel_tiny": dict(in_channels=3, patch_size=4, context_in_dim=24, hidden_size=64, mlp_ratio=3.5,
-                                     num_heads=4, depth=1, axes_dim=[8, 8], bottleneck_size=16,
-                                     resolution_embeds=True)},
+    tp=TensorParallel(
+        plans={PRXBlock: BLOCK_TP_PLAN},
+        replicated={PRXBlock: {"modulation.lin": "adaptive-norm modulation of the replicated conditioning embedding"}},
+    ),
+    tests=Tests(
+        # diffusers' PRXTransformerTesterConfig is the published width (28 heads of 64, 4 blocks): here 4 heads of 16
+        # (worlds 2 and 4 split them), an MLP of int(64 * 3.5) = 224, two blocks, rotary axes (8, 8)
+        configs={"tiny": dict(in_channels=16, patch_size=2, context_in_dim=24, hidden_size=64, mlp_ratio=3.5,
+                              num_heads=4, depth=2, axes_dim=[8, 8], theta=10_000),
+                 "pixel_tiny": dict(in_channels=3, patch_size=4, context_in_dim=24, hidden_size=64, mlp_ratio=3.5,
+                                    num_heads=4, depth=1, axes_dim=[8, 8], bottleneck_size=16,
+                                    resolution_embeds=True)},
+    ),
 )

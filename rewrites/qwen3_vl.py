@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from surgery.extend import Family
+from surgery.extend import Family, TensorParallel
 
 _MODELING = "transformers.models.qwen3_vl.modeling_qwen3_vl"
 
@@ -29,5 +29,7 @@ MLP_TP_PLAN = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "do
 FAMILY = Family(
     name="qwen3-vl",
     model_class=f"{_MODELING}.Qwen3VLForConditionalGeneration",
-    tp_plans={f"{_MODELING}.Qwen3VLTextAttention": ATTENTION_TP_PLAN, f"{_MODELING}.Qwen3VLTextMLP": MLP_TP_PLAN},
+    tp=TensorParallel(
+        plans={f"{_MODELING}.Qwen3VLTextAttention": ATTENTION_TP_PLAN, f"{_MODELING}.Qwen3VLTextMLP": MLP_TP_PLAN},
+    ),
 )

@@ -22,7 +22,10 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from surgery_rewrites.diffusers_common import DOUBLE_STREAM_ATTENTION_TP_PLAN
-from surgery.extend import Family, SurgeryError, processor_writes_in_place, qk_norms_per_head, runs_twin
+from surgery.core.errors import SurgeryError
+from surgery.core.leaves import runs_twin
+from surgery.extend import Family, TensorParallel, Tests
+from surgery.parallel.derive import processor_writes_in_place, qk_norms_per_head
 
 # diffusers' generic `Attention` as QwenImage's double-stream block builds it takes the shared double-stream plan
 # (rewrites/diffusers_common.py): heads split across ranks, one all-reduce per output projection (image and text).
@@ -127,13 +130,15 @@ FAMILY = Family(
     "match them); Qwen/Qwen-Image-Edit-2511: zero_cond_t=True",
     default_variant="qwen-image",
     example_inputs=example_inputs,
-    tp_plans={Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN},
-    tp_when={Attention: _splits_by_head_dim},
-    # as in diffusers' _tp_plan: each stream's modulation (SiLU, Linear) reads the replicated timestep embedding
-    replicated={QwenImageTransformerBlock: dict.fromkeys(("img_mod.1", "txt_mod.1"), "adaLN modulation of the "
-                                                         "replicated timestep embedding")},
-    # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
-    count_all_reduces=lambda config: 4 * config.get("num_layers", 60),
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tp=TensorParallel(
+        plans={Attention: DOUBLE_STREAM_ATTENTION_TP_PLAN},
+        when={Attention: _splits_by_head_dim},
+        # as in diffusers' _tp_plan: each stream's modulation (SiLU, Linear) reads the replicated timestep embedding
+        replicated={QwenImageTransformerBlock: dict.fromkeys(("img_mod.1", "txt_mod.1"), "adaLN modulation of the "
+                                                             "replicated timestep embedding")},
+        # per block: attention image out + text out + img_mlp + txt_mlp (as diffusers' _tp_plan)
+        all_reduces=lambda config: 4 * config.get("num_layers", 60),
+    ),
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Transformer2DModel
 
-from surgery.extend import SurgeryError, derived_family
+from surgery.core.errors import SurgeryError
+from surgery.extend import Tests, derived_family
 
 # QwenImage21Transformer2DModel's defaults, which diffusers documents as Qwen-Image 2.1's configuration.
 VARIANTS = {
@@ -96,6 +97,6 @@ FAMILY = derived_family(
     sources="QwenImage21Transformer2DModel's documented defaults (diffusers 0.42.1 transformer_qwenimage21.py)",
     default_variant="qwen-image-2.1",
     example_inputs=example_inputs,
-    test_configs=TEST_CONFIGS,
     shrink_config=reduced,
+    tests=Tests(configs=TEST_CONFIGS),
 )

@@ -20,7 +20,7 @@ import torch
 from diffusers.models.attention_processor import Attention, SanaLinearAttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import GLUMBConv, SanaAttnProcessor2_0, SanaTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import CONV_FEED_FORWARD, cast_inputs, sana_conditions
 
 
@@ -78,7 +78,9 @@ FAMILY = derived_family(
     "SanaSprint_600M_P1_D28; sample_size = image_size // 32, interpolation_scale by image size)",
     default_variant="1600m-1024px",
     example_inputs=sana_inputs,
-    # the sharded case is Sprint's: q/k norms across heads and the guidance embedder
-    test_configs={"tiny_sprint": {**_SANA_TINY, **_SPRINT, "num_layers": 1}, "tiny": _SANA_TINY},
-    replicated={GLUMBConv: {"conv_*": CONV_FEED_FORWARD}},
+    tp=TensorParallel(replicated={GLUMBConv: {"conv_*": CONV_FEED_FORWARD}}),
+    tests=Tests(
+        # the sharded case is Sprint's: q/k norms across heads and the guidance embedder
+        configs={"tiny_sprint": {**_SANA_TINY, **_SPRINT, "num_layers": 1}, "tiny": _SANA_TINY},
+    ),
 )

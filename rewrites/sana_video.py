@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_sana_video import GLUMBTempConv, SanaVideoTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import CONV_FEED_FORWARD, cast_inputs, sana_conditions
 
 
@@ -46,10 +46,12 @@ FAMILY = derived_family(
     "Wan VAE, 720p with DC-AE-V)",
     default_variant="2b-480p",
     example_inputs=sana_video_inputs,
-    # heads of 24 and one block, for the reasons of _SANA_TINY's
-    test_configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=24,
-                               num_cross_attention_heads=4, cross_attention_head_dim=24, cross_attention_dim=96,
-                               caption_channels=16, num_layers=1, sample_size=4, mlp_ratio=2.5,
-                               rope_max_seq_len=32)},
-    replicated={GLUMBTempConv: {"conv_*": CONV_FEED_FORWARD + " (its temporal conv too)"}},
+    tp=TensorParallel(replicated={GLUMBTempConv: {"conv_*": CONV_FEED_FORWARD + " (its temporal conv too)"}}),
+    tests=Tests(
+        # heads of 24 and one block, for the reasons of _SANA_TINY's
+        configs={"tiny": dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=24,
+                              num_cross_attention_heads=4, cross_attention_head_dim=24, cross_attention_dim=96,
+                              caption_channels=16, num_layers=1, sample_size=4, mlp_ratio=2.5,
+                              rope_max_seq_len=32)},
+    ),
 )

@@ -3,7 +3,7 @@
 Derived (`surgery.extend.derived_family`): this file is data only (published configs with their source, test configs,
 example inputs); plans, rewrites and all-reduce counts are derived (`surgery.parallel.derive`). Its processors rotate
 q and k across the whole attention width before splitting heads, so the family row names the attention's rotary
-arguments (`rotary=`): rewrites/ltx2.py says how the derived plan shares the tables.
+arguments (`TensorParallel(rotary=...)`): rewrites/ltx2.py says how the derived plan shares the tables.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_sana_wm_refiner import (
     SanaWMLTX2RefinerTransformer3DModel,
 )
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import LTX2, LTX2_TINY, LTX2_WIDE, text_with_mask, video_grid
 
 
@@ -60,8 +60,10 @@ FAMILY = derived_family(
     "Efficient-Large-Model/SANA-WM_bidirectional ships it as refiner/refiner.safetensors, 41 GB)",
     default_variant="ltx-2",
     example_inputs=sana_wm_refiner_inputs,
-    test_configs={"tiny": {**LTX2_TINY, **LTX2_WIDE, "num_layers": 1, "attention_bias": False},
-                  "tiny_interleaved": {**LTX2_TINY, "rope_type": "interleaved"}},
-    # sink_rotary_emb: the KV cache's attention sink, re-rotated at its shifted offset; each rank caches its heads
-    rotary={SanaWMLTX2Attention: ("query_rotary_emb", "key_rotary_emb", "sink_rotary_emb")},
+    tp=TensorParallel(
+        # sink_rotary_emb: the KV cache's attention sink, re-rotated at its shifted offset; each rank caches its heads
+        rotary={SanaWMLTX2Attention: ("query_rotary_emb", "key_rotary_emb", "sink_rotary_emb")},
+    ),
+    tests=Tests(configs={"tiny": {**LTX2_TINY, **LTX2_WIDE, "num_layers": 1, "attention_bias": False},
+                         "tiny_interleaved": {**LTX2_TINY, "rope_type": "interleaved"}}),
 )

@@ -12,7 +12,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 
 
@@ -58,8 +58,10 @@ FAMILY = derived_family(
     "context_embedder, dual-attention layers, rms q/k norm)",
     default_variant="sd3.5-large",
     example_inputs=sd3_inputs,
-    # the first test config is the one run sharded: SD3.5's, whose blocks hold SD3's and add q/k norms and a
-    # second self-attention
-    test_configs={"tiny_3.5": {**_SD3_TINY, "qk_norm": "rms_norm", "dual_attention_layers": (0,)},
-                  "tiny": _SD3_TINY},
+    tests=Tests(
+        # the first test config is the one run sharded: SD3.5's, whose blocks hold SD3's and add q/k norms and a
+        # second self-attention
+        configs={"tiny_3.5": {**_SD3_TINY, "qk_norm": "rms_norm", "dual_attention_layers": (0,)},
+                 "tiny": _SD3_TINY},
+    ),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2Transformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, wan_inputs
 
 
@@ -26,5 +26,5 @@ FAMILY = derived_family(
     "SkyReels-V2-T2V-14B-720P, SkyReels-V2-I2V-1.3B-540P)",
     default_variant="t2v-14b",
     example_inputs=wan_inputs,
-    test_configs={"tiny": WAN_TINY},
+    tests=Tests(configs={"tiny": WAN_TINY}),
 )

@@ -9,7 +9,7 @@ from diffusers.models.attention_processor import Attention, StableAudioAttnProce
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
 from diffusers.models.transformers.stable_audio_transformer import StableAudioDiTModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def stable_audio_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -41,10 +41,12 @@ FAMILIES = (
         "example checkpoint; its config.json unverified here)",
         default_variant="open-1.0",
         example_inputs=stable_audio_inputs,
-        # diffusers' StableAudioPipelineFastTests transformer (diffusers 0.42.1 has no StableAudioDiT model test),
-        # with 4 key/value heads (theirs: 2, which a mesh of 4 cannot split); 24 query heads of 4
-        test_configs={"tiny": dict(sample_size=4, in_channels=3, num_layers=2, attention_head_dim=4,
-                                   num_key_value_attention_heads=4, out_channels=3, cross_attention_dim=4,
-                                   time_proj_dim=8, global_states_input_dim=8, cross_attention_input_dim=4)},
+        tests=Tests(
+            # diffusers' StableAudioPipelineFastTests transformer (diffusers 0.42.1 has no StableAudioDiT model test),
+            # with 4 key/value heads (theirs: 2, which a mesh of 4 cannot split); 24 query heads of 4
+            configs={"tiny": dict(sample_size=4, in_channels=3, num_layers=2, attention_head_dim=4,
+                                  num_key_value_attention_heads=4, out_channels=3, cross_attention_dim=4,
+                                  time_proj_dim=8, global_states_input_dim=8, cross_attention_input_dim=4)},
+        ),
     ),
 )

@@ -32,7 +32,7 @@ from diffusers.models.transformers.transformer_stable_audio3 import (
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery_rewrites.diffusers_common import HEAD_NORM, cast_inputs, qkv_rows
-from surgery.extend import Processors, derived_family, register_edits, rows, swap_rewrite
+from surgery.extend import Processors, TensorParallel, Tests, derived_family, register_edits, rows, swap_rewrite
 
 for _processor in (StableAudio3SelfAttnProcessor, StableAudio3CrossAttnProcessor):
     register_edits(_processor, "__call__", (("(attn.heads, attn.dim_heads)", "(-1, attn.dim_heads)", 1),))
@@ -108,10 +108,6 @@ _TESTER = dict(io_channels=8, patch_size=1, embed_dim=32, depth=2, num_heads=4, 
 FAMILY = derived_family(
     "stable-audio-3", StableAudio3DiTModel,
     rewrites=REWRITES,
-    tp_plans={StableAudio3SelfAttention: SELF_ATTENTION_TP_PLAN, StableAudio3CrossAttention: CROSS_ATTENTION_TP_PLAN,
-              StableAudio3FeedForward: FEED_FORWARD_TP_PLAN},
-    replicated={StableAudio3DiTBlock: {"to_local_embed.*": "the inpainting conditioning's per-block projection (its "
-                                       "input is replicated; its output is added to the whole-width residual)"}},
     # diffusers' test PROD_CFG, "from stabilityai/stable-audio-3-medium model_config.json" (= the class defaults)
     variants={"medium": dict(io_channels=256, patch_size=1, embed_dim=1536, depth=24, num_heads=24,
                              cond_token_dim=768, global_cond_dim=768, local_add_cond_dim=257,
@@ -122,7 +118,16 @@ FAMILY = derived_family(
     "memory tokens), equal to StableAudio3DiTModel's defaults",
     default_variant="medium",
     example_inputs=stable_audio3_inputs,
-    # the first (sharded at worlds 2 and 4): diffusers' TINY_CFG with the published differential attention; then
-    # TINY_CFG as it is (plain attention)
-    test_configs={"tiny_differential": dict(_TESTER, use_differential_attention=True), "tiny": dict(_TESTER)},
+    tp=TensorParallel(
+        plans={StableAudio3SelfAttention: SELF_ATTENTION_TP_PLAN, StableAudio3CrossAttention: CROSS_ATTENTION_TP_PLAN,
+               StableAudio3FeedForward: FEED_FORWARD_TP_PLAN},
+        replicated={StableAudio3DiTBlock: {
+            "to_local_embed.*": "the inpainting conditioning's per-block projection (its input is replicated; its "
+            "output is added to the whole-width residual)"}},
+    ),
+    tests=Tests(
+        # the first (sharded at worlds 2 and 4): diffusers' TINY_CFG with the published differential attention; then
+        # TINY_CFG as it is (plain attention)
+        configs={"tiny_differential": dict(_TESTER, use_differential_attention=True), "tiny": dict(_TESTER)},
+    ),
 )

@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.extend import Family, SurgeryError, mesh_sizes_dividing
+from surgery.core.checks import mesh_sizes_dividing
+from surgery.core.errors import SurgeryError
+from surgery.extend import Family, TensorParallel
 
 _MODELING = "transformers.models.t5.modeling_t5"
 
@@ -41,10 +43,12 @@ def check_heads(module: nn.Module, path: str, world: int) -> None:
 FAMILY = Family(
     name="t5",
     model_class=f"{_MODELING}.T5EncoderModel",
-    tp_plans={
-        f"{_MODELING}.T5Attention": ATTENTION_TP_PLAN,
-        f"{_MODELING}.T5DenseGatedActDense": GATED_MLP_TP_PLAN,
-        f"{_MODELING}.T5DenseActDense": MLP_TP_PLAN,
-    },
-    tp_checks={f"{_MODELING}.T5Attention": check_heads},
+    tp=TensorParallel(
+        plans={
+            f"{_MODELING}.T5Attention": ATTENTION_TP_PLAN,
+            f"{_MODELING}.T5DenseGatedActDense": GATED_MLP_TP_PLAN,
+            f"{_MODELING}.T5DenseActDense": MLP_TP_PLAN,
+        },
+        checks={f"{_MODELING}.T5Attention": check_heads},
+    ),
 )

@@ -10,7 +10,8 @@ the heads, so each rank computes its own heads' bias. The shared token embedding
 
 from __future__ import annotations
 
-from surgery.extend import Family, Rewrite, recast, register_edits, twin
+from surgery.core.leaves import recast, twin
+from surgery.extend import Family, Rewrite, TensorParallel, register_edits
 # T5's literal plans and head check serve UMT5 as they are: the same submodule names (q, k, v, o, wi, wo)
 from surgery_rewrites.t5 import ATTENTION_TP_PLAN, GATED_MLP_TP_PLAN, MLP_TP_PLAN, check_heads
 
@@ -46,12 +47,14 @@ def _family() -> Family:
         name="umt5",
         model_class=M.UMT5EncoderModel,
         rewrites=(HEADS_BY_HEAD_DIM,),
-        tp_plans={
-            HeadDimUMT5Attention: ATTENTION_TP_PLAN,
-            M.UMT5DenseGatedActDense: GATED_MLP_TP_PLAN,
-            M.UMT5DenseActDense: MLP_TP_PLAN,
-        },
-        tp_checks={HeadDimUMT5Attention: check_heads},
+        tp=TensorParallel(
+            plans={
+                HeadDimUMT5Attention: ATTENTION_TP_PLAN,
+                M.UMT5DenseGatedActDense: GATED_MLP_TP_PLAN,
+                M.UMT5DenseActDense: MLP_TP_PLAN,
+            },
+            checks={HeadDimUMT5Attention: check_heads},
+        ),
     )
     return FAMILY
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, wan_inputs
 
 
@@ -27,5 +27,5 @@ FAMILY = derived_family(
     "Wan-I2V-14B-480p, Wan2.2-TI2V-5B)",
     default_variant="t2v-14b",
     example_inputs=wan_inputs,
-    test_configs={"tiny": WAN_TINY, "tiny_i2v": {**WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}},
+    tests=Tests(configs={"tiny": WAN_TINY, "tiny_i2v": {**WAN_TINY, "image_dim": 8, "added_kv_proj_dim": 32}}),
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_wan_animate as animate
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, wan_inputs
 
 
@@ -51,9 +51,9 @@ FAMILY = derived_family(
     sources="diffusers scripts/convert_wan_to_diffusers.py (get_transformer_config: Wan2.2-Animate-14B)",
     default_variant="14b",
     example_inputs=wan_animate_inputs,
-    test_configs={"tiny": {**WAN_TINY, "in_channels": 12, "latent_channels": 4, "image_dim": 8,
-                           "added_kv_proj_dim": 32, "motion_encoder_size": 16,
-                           "motion_encoder_channel_sizes": {"4": 8, "8": 8, "16": 8}, "motion_style_dim": 8,
-                           "motion_dim": 4, "motion_encoder_dim": 8, "face_encoder_hidden_dim": 8,
-                           "face_encoder_num_heads": 2, "inject_face_latents_blocks": 1}},
+    tests=Tests(configs={"tiny": {**WAN_TINY, "in_channels": 12, "latent_channels": 4, "image_dim": 8,
+                                  "added_kv_proj_dim": 32, "motion_encoder_size": 16,
+                                  "motion_encoder_channel_sizes": {"4": 8, "8": 8, "16": 8}, "motion_style_dim": 8,
+                                  "motion_dim": 4, "motion_encoder_dim": 8, "face_encoder_hidden_dim": 8,
+                                  "face_encoder_num_heads": 2, "inject_face_latents_blocks": 1}}),
 )

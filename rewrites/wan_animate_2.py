@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers import transformer_wan_animate_2 as animate2
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 from surgery_rewrites.diffusers_common import cast_inputs
 
 CLIP_DIM = 1280  # `MLPProj` fixes the CLIP vision width
@@ -62,8 +62,11 @@ FAMILY = derived_family(
     "(wan/modules/animate/model_animate.py)",
     default_variant="14b",
     example_inputs=wan_animate_2_inputs,
-    # diffusers' tests/models/transformers/test_models_transformer_wan_animate_2.py (WanAnimate2TransformerTesterConfig)
-    test_configs={"tiny": dict(patch_size=(1, 2, 2), text_len=16, in_dim=36, dim=128, ffn_dim=256, freq_dim=64,
-                               text_dim=32, out_dim=16, num_heads=4, num_layers=2, cross_attn_norm=True,
-                               use_img_emb=True)},
+    tests=Tests(
+        # diffusers' tests/models/transformers/test_models_transformer_wan_animate_2.py
+        # (WanAnimate2TransformerTesterConfig)
+        configs={"tiny": dict(patch_size=(1, 2, 2), text_len=16, in_dim=36, dim=128, ffn_dim=256, freq_dim=64,
+                              text_dim=32, out_dim=16, num_heads=4, num_layers=2, cross_attn_norm=True,
+                              use_img_emb=True)},
+    ),
 )

@@ -11,7 +11,7 @@ import torch
 from diffusers.models.transformers.transformer_wan import WanAttention
 from diffusers.models.transformers.transformer_wan_vace import WanVACETransformer3DModel, WanVACETransformerBlock
 
-from surgery.extend import derived_family
+from surgery.extend import TensorParallel, Tests, derived_family
 from surgery_rewrites.diffusers_common import WAN, WAN_TINY, wan_inputs
 
 
@@ -33,9 +33,11 @@ FAMILY = derived_family(
     sources="diffusers scripts/convert_wan_to_diffusers.py (get_transformer_config: Wan-VACE-1.3B)",
     default_variant="1.3b",
     example_inputs=wan_vace_inputs,
-    test_configs={"tiny": {**WAN_TINY, "vace_layers": [0, 1], "vace_in_channels": 8}},
-    # the VACE hint projections: proj_in reads the patch-embedded control video, proj_out writes the hint added
-    # to the main stream; both full-width hidden states every rank holds whole between the sharded attentions
-    replicated={WanVACETransformerBlock: dict.fromkeys(
-        ("proj_in", "proj_out"), "VACE hint projection of full-width hidden states every rank holds whole")},
+    tp=TensorParallel(
+        # the VACE hint projections: proj_in reads the patch-embedded control video, proj_out writes the hint added
+        # to the main stream; both full-width hidden states every rank holds whole between the sharded attentions
+        replicated={WanVACETransformerBlock: dict.fromkeys(
+            ("proj_in", "proj_out"), "VACE hint projection of full-width hidden states every rank holds whole")},
+    ),
+    tests=Tests(configs={"tiny": {**WAN_TINY, "vace_layers": [0, 1], "vace_in_channels": 8}}),
 )

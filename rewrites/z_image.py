@@ -11,7 +11,7 @@ import torch
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_z_image import ZImageTransformer2DModel
 
-from surgery.extend import derived_family
+from surgery.extend import Tests, derived_family
 
 
 def z_image_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
@@ -42,7 +42,7 @@ FAMILY = derived_family(
     "(docs/source/en/api/models/z_image_transformer2d.md)",
     default_variant="turbo",
     example_inputs=z_image_inputs,
-    test_configs={"tiny": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=48, n_layers=2,
-                               n_refiner_layers=1, n_heads=4, n_kv_heads=4, qk_norm=True, cap_feat_dim=16,
-                               axes_dims=[4, 4, 4], axes_lens=[256, 32, 32])},
+    tests=Tests(configs={"tiny": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=48, n_layers=2,
+                                      n_refiner_layers=1, n_heads=4, n_kv_heads=4, qk_norm=True, cap_feat_dim=16,
+                                      axes_dims=[4, 4, 4], axes_lens=[256, 32, 32])}),
 )

@@ -59,8 +59,8 @@ def class_status(cls: type, world: int = 2) -> dict:
     except SurgeryError as error:
         return {**row, "status": "refused", "reason": _short(str(error).removeprefix("surgery.tensor_parallel: "))}
     count = sum(all_reduces(style) for _, _, plan in planned for style in plan.values())
-    if family is not None and family.count_all_reduces is not None:  # counts a module run twice per forward twice
-        count = family.count_all_reduces(family.config())
+    if family is not None and family.tp.all_reduces is not None:  # counts a module run twice per forward twice
+        count = family.tp.all_reduces(family.config())
     return {**row, "status": "sharded" if family else "planned, unproven", "all_reduces": count,
             "per_block": per_block(model, planned)}
 

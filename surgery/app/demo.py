@@ -132,7 +132,7 @@ def run(model: str, tp: int, seed: int, dtype: str, image_tokens: int, text_toke
               f"{counts} ({mb(r['collective_bytes'])}); parameters {mb(r['local_bytes'])}; "
               f"forward under TP {r['tp_seconds'] * 1e3:.0f} ms")
     sharded = results[0]["sharded_global_bytes"]
-    expected_collectives = f"{family.count_all_reduces(config)} all-reduces" if family.count_all_reduces else "(not declared)"
+    expected_collectives = f"{family.tp.all_reduces(config)} all-reduces" if family.tp.all_reduces else "(not declared)"
     print(f"  expected: {expected_collectives} per forward; {mb(whole - sharded)} replicated + {mb(sharded)} "
           f"sharded / {tp} = {mb(whole - sharded + sharded // tp)} per rank")
     print(f"  (TP forwards: medians of 3 with the {tp} ranks running at once on this machine's "

@@ -2,7 +2,7 @@
 
 Each module of the built-in families' package (`rewrites/`, installed as `surgery_rewrites`) exports `FAMILY`, a
 `Family`, and registers it when `import surgery` loads that package. Other packages add
-their own with `register_family` (or, for pieces only, `register` and `register_tp_plan`). Everything that serves
+their own with `register_family` (`surgery.extend`). Everything that serves
 more than one family — the CLI, the demo, the planner, inspection, the benchmarks, the notebooks and the conformance
 suite — looks a family up here, by name or by the model's class; the engine itself never imports a family's module.
 """
@@ -59,17 +59,51 @@ class Rewrite:
         return type(module) is self.unfused and self.is_unfused(module)
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """How `surgery.tensor_parallel` shards a family's modules. Each table is keyed by module class (or its qualified
+    name, "package.module.Class", so that a family's plans cost no import of the library that defines it)."""
+
+    # class -> {submodule path relative to the module ("" is the module itself): a stock ParallelStyle}
+    plans: dict = field(default_factory=dict)
+    # class -> `check(module, path, world_size)`: raises SurgeryError for sizes the mesh cannot split
+    checks: dict = field(default_factory=dict)
+    # class -> `when(module)`: the class's plan applies only to the modules it accepts; the others stay whole
+    # (replicated). For diffusers' shared classes (`Attention`) whose modules only some families can shard.
+    when: dict = field(default_factory=dict)
+    # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
+    # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
+    replicated: dict = field(default_factory=dict)
+    # attention class -> names of its forward's keyword arguments that carry rotary tables its processor applies
+    # across the whole attention width, before splitting heads (LTX-Video, LTX-2): each rank gets its heads' share
+    rotary: dict = field(default_factory=dict)
+    # `all_reduces(config)`: the all-reduces one forward of the model built from `config` makes when sharded
+    all_reduces: Callable[[dict], int] | None = None
+
+
+@dataclass(frozen=True)
+class Tests:
+    """What the conformance suite (tests/families/test_conformance.py) runs a family on."""
+
+    __test__ = False  # a descriptor, not a pytest class
+
+    # small configs (the published structure, tiny widths) the suite builds on CPU
+    configs: dict[str, dict] = field(default_factory=dict)
+    # a lower precision the stock forward rounds to even in float32 (Kandinsky 5's rotary casts q/k to bfloat16, and
+    # so their gradients): sharded and whole gradients then agree to that precision only, not float32's
+    rounds_to: torch.dtype | None = None
+
+
 @dataclass(frozen=True, repr=False)
 class Family:
-    """Everything the tools need to know about one model family, declared in its `rewrites/<family>.py`.
+    """Everything the tools need to know about one model family, declared in its `rewrites/<module>.py`: the model,
+    how it shards (`tp`) and what the conformance suite runs it on (`tests`).
 
     `model_class` is the diffusers (or transformers) class, or its qualified name where importing it would cost a
     library. `variants` maps a published checkpoint's short name to its config (init arguments of `model_class`);
     `sources` says where those numbers come from. `example_inputs(config, batch=, image_tokens=, text_tokens=, seed=,
-    dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `test_configs` are small configs
-    (same structure, tiny widths) the conformance suite runs on CPU; `shrink_config(config)` shrinks a published config
-    to demo size (depth and head size, same head count). `count_all_reduces(config)` is the number of all-reduces one
-    forward should make under `surgery.tensor_parallel`.
+    dtype=, device=)` returns seeded keyword arguments for `model_class.forward`. `shrink_config(config)` shrinks a
+    published config to demo size (depth and head size, same head count).
     """
 
     name: str
@@ -78,28 +112,14 @@ class Family:
     sources: str = ""
     default_variant: str | None = None
     example_inputs: Callable[..., dict] | None = None
-    rewrites: tuple[Rewrite, ...] = ()
-    tp_plans: dict = field(default_factory=dict)
-    tp_checks: dict = field(default_factory=dict)
-    # class -> `when(module)`: the class's plan applies only to the modules it accepts; the others stay whole
-    # (replicated). For diffusers' shared classes (`Attention`) whose modules only some families can shard.
-    tp_when: dict = field(default_factory=dict)
-    count_all_reduces: Callable[[dict], int] | None = None
-    test_configs: dict[str, dict] = field(default_factory=dict)
     shrink_config: Callable[[dict], dict] | None = None
-    # class -> {Linear path relative to the class's module (fnmatch pattern): why it stays whole on every rank}:
-    # Linears inside transformer blocks that no plan shards on purpose (`surgery.tensor_parallel` refuses the others)
-    replicated: dict = field(default_factory=dict)
-    # attention class -> names of its forward's keyword arguments that carry rotary tables its processor applies
-    # across the whole attention width, before splitting heads (LTX-Video, LTX-2): each rank gets its heads' share
-    rotary: dict = field(default_factory=dict)
     # `--model` name, or a diffusers transformer class name (all its variants) -> {"pipeline": class name, component
     # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
     # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
-    # a lower precision the stock forward rounds to even in float32 (Kandinsky 5's rotary casts q/k to bfloat16, and
-    # so their gradients): sharded and whole gradients then agree to that precision only, not float32's
-    rounds_to: torch.dtype | None = None
+    rewrites: tuple[Rewrite, ...] = ()
+    tp: TensorParallel = field(default_factory=TensorParallel)
+    tests: Tests = field(default_factory=Tests)
 
     def __repr__(self) -> str:
         return f"Family({self.name!r}, variants={sorted(self.variants)})"
@@ -215,11 +235,11 @@ def register_family(family: Family) -> None:
         raise ValueError(f"A model family named {family.name!r} is already registered.")
     _families[family.name] = family
     register(*family.rewrites)
-    for cls, plan in family.tp_plans.items():
-        register_tp_plan(cls, plan, family.tp_checks.get(cls), family.tp_when.get(cls))
-    for cls, linears in family.replicated.items():
+    for cls, plan in family.tp.plans.items():
+        register_tp_plan(cls, plan, family.tp.checks.get(cls), family.tp.when.get(cls))
+    for cls, linears in family.tp.replicated.items():
         register_replicated(cls, linears)
-    for cls, names in family.rotary.items():
+    for cls, names in family.tp.rotary.items():
         register_rotary(cls, names)
 
 

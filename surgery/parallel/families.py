@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput, PrepareM
 from surgery.core.build import keep_in_fp32
 from surgery.core.leaves import Processors, rule_edits, swap_rewrite
 from surgery.core.norms import elementwise_norm
-from surgery.core.registry import Family, Rewrite, model_class
+from surgery.core.registry import Family, Rewrite, TensorParallel, model_class
 from surgery.core.rewrite import unfuse
 from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
 from surgery.parallel.plans import planned_for
@@ -104,18 +104,20 @@ def all_reduces(style) -> int:
 
 
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),
-                   processors: tuple[type, ...] = (), rewrites: tuple[Rewrite, ...] = (), **fields) -> Family:
+                   processors: tuple[type, ...] = (), rewrites: tuple[Rewrite, ...] = (),
+                   tp: TensorParallel = TensorParallel(), **fields) -> Family:
     """A `Family` whose rewrites and plans are derived: `attention` lists the model's attention classes (their
     rewrites from `attention_rewrite`, with the stock `processors` the model sets where a class lists none, else the
     processors defined in the model's own file); `rewrites` adds those no rule derives (a fused weight's unfused
-    leaves: which columns read the attention, which rows are which projection, are the family's data); `fields` are
-    the data (variants, sources, test configs, example inputs, replicated Linears). Its plans are derived from the
-    unfused modules and its all-reduce count is read off them."""
+    leaves: which columns read the attention, which rows are which projection, are the family's data); `tp` holds
+    what the derivation cannot know (replicated Linears, rotary inputs, plans of its own); `fields` are `Family`'s
+    other fields (variants, sources, example inputs, tests). Its plans are derived from the unfused modules and its
+    all-reduce count is read off them."""
     rewrites = tuple(r for r in (attention_rewrite(cls, processors or (
         () if hasattr(cls, "_available_processors") else model_processors(model_class))) for cls in attention)
         if r is not None) + tuple(rewrites)
     holder: list[Family] = []
-    family = Family(name=name, model_class=model_class, rewrites=rewrites,
-                    count_all_reduces=lambda config: derived_all_reduces(holder[0], config), **fields)
+    family = Family(name=name, model_class=model_class, rewrites=rewrites, **fields,
+                    tp=replace(tp, all_reduces=tp.all_reduces or (lambda config: derived_all_reduces(holder[0], config))))
     holder.append(family)
     return family

@@ -336,8 +336,8 @@ def check_coverage(model: nn.Module, planned: Planned, verb: str = "tensor_paral
     raise SurgeryError(
         f"surgery.{verb}: '{path}' ({type(module).__name__} in a {owner_cls}) has no tensor-parallel plan{why}: "
         f"{len(left)} of the {total} Linears in {type(model).__name__}'s transformer blocks would stay whole on "
-        "every rank, a half-sharded model. Give its module a plan (a family's tp_plans, registered with "
-        "surgery.extend.register_family), declare it replicated on purpose with its reason "
+        "every rank, a half-sharded model. Give its module a plan (surgery.extend.TensorParallel(plans=...) in a "
+        "family registered with surgery.extend.register_family), declare it replicated on purpose with its reason "
         "(surgery.extend.register_replicated), or pass plan= / filter_fn= to shard only what you name."
     )
 
@@ -408,8 +408,8 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
             first = f" The first of the {total} Linears in its transformer blocks is '{path}' (in a {owner}){why}."
         raise SurgeryError(
             f"surgery.tensor_parallel: '{type(model).__name__}' holds no module with a tensor-parallel plan "
-            f"(known: {', '.join(known)}).{first} Give its blocks a plan: a family's tp_plans "
-            "(surgery.extend.register_family), or plan=."
+            f"(known: {', '.join(known)}).{first} Give its blocks a plan: "
+            "surgery.extend.TensorParallel(plans=...) in a family (surgery.extend.register_family), or plan=."
         )
     check_model(model, "tensor_parallel")
     check_hooks(model, "<model>", "tensor_parallel", torch_hooks=False)

@@ -94,8 +94,8 @@ def stock_plan(model: nn.Module, skip: Callable[[str], bool] = lambda path: Fals
             raise SurgeryError(
                 f"surgery.tensor_parallel: transformers' plan shards '{path}' with style {style!r}, which has no stock "
                 f"torch equivalent here (known: {', '.join(sorted(STOCK_STYLES))}). Give "
-                f"{type(module).__name__}'s parent a plan (a family's tp_plans, surgery.extend.register_family), or "
-                "pass plan=."
+                f"{type(module).__name__}'s parent a plan (surgery.extend.TensorParallel(plans=...) in a family, "
+                "surgery.extend.register_family), or pass plan=."
             )
         parent, _, child = path.rpartition(".")
         grouped.setdefault(parent, {})[child] = STOCK_STYLES[style]()

@@ -82,7 +82,7 @@ def tp_layout(model: nn.Module) -> list[dict]:
 
 
 def declared_whole(model: nn.Module) -> list[dict]:
-    """What a family keeps whole on every rank on purpose, with its reason (`Family.replicated` /
+    """What a family keeps whole on every rank on purpose, with its reason (`TensorParallel.replicated` /
     `register_replicated`: Linears, and modules no stock style shards, like Sana's conv feed-forward): one row per
     reason, with the module kinds it covers (block index as `*`) and the bytes each rank holds of them."""
     owners: dict[str, str] = {}  # parameter -> reason (a parameter matched twice is counted once)
@@ -347,10 +347,10 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
 
 def _declared_collectives(family: Family, config: dict, error: Exception) -> dict:
     """What the family declares one forward all-reduces, where a meta forward cannot run to count it."""
-    if family.count_all_reduces is None:
+    if family.tp.all_reduces is None:
         raise SurgeryError(f"{family.name}: one forward cannot run on the meta device ({error}), and the family "
                            "declares no all_reduces to plan with.") from None
-    count = family.count_all_reduces(config)
+    count = family.tp.all_reduces(config)
     reason = str(error).splitlines()[0][:120]
     return {"total": count, "bytes": None, "ops": {"all_reduce": count}, "per_block": {},
             "note": f"declared by the family, not counted: its forward cannot run on the meta device ({reason})"}

@@ -46,7 +46,7 @@ class Proof(unittest.TestCase):
                 self.assertTrue(row["reason"] or row["status"] == "planned, unproven", row["class"])
                 continue
             self.assertEqual(row["status"], "sharded", f"{family.name} is registered: {row['reason']}")
-            self.assertIn((family.name, next(iter(family.test_configs), None)), W.family_cases(tp_only=True))
+            self.assertIn((family.name, next(iter(family.tests.configs), None)), W.family_cases(tp_only=True))
             self.assertEqual(sorted(row["errors"]), ["2", "4"], family.name)
             for world, errors in row["errors"].items():
                 self.assertLessEqual(errors["forward"], W.FP32_TOL, (family.name, world))
@@ -88,7 +88,7 @@ class SurgeryFamilies(unittest.TestCase):
         wan = W.families()["wan"]
         # per Wan block, from the plan's intent: self- and cross-attention, each its output (1) and its q/k norms
         # across heads (2), and the feed-forward's output (1)
-        self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.count_all_reduces(wan.config())} "
+        self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.tp.all_reduces(wan.config())} "
                                   "| WanTransformerBlock 7 |  |  |")
         # its processor reads the head count: it plans on DTensors, but no family registers it, so nothing proved it
         self.assertTrue(rows[3].startswith("| AnyFlowFARTransformer3DModel |  | planned, unproven | "), rows[3])

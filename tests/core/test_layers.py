@@ -38,8 +38,10 @@ LAZY_ALLOWED = {
     "IPython": "there only inside a notebook",
 }
 
-# The families are data written on the extension surface alone (`surgery.extend`), and on each other.
-FAMILIES_MAY_IMPORT = {"extend", "families"}
+# The families are data written on the extension surface (`surgery.extend`) and on each other; the built-in ones are
+# in-house and take what only they need (slices, checks, the derivation's norms) from the engine's core and parallel
+# layers, never from io, integration or anything above them.
+FAMILIES_MAY_IMPORT = {"core", "parallel", "extend", "families"}
 
 
 def modules() -> dict[str, Path]:
@@ -147,6 +149,20 @@ class Layers(unittest.TestCase):
                  if name.startswith("surgery_rewrites") for target, line, _ in edges if layer_of(target) not in allowed]
         self.assertEqual(wrong, [])
 
+    def test_the_extension_surface_is_what_families_use_or_the_docs_show(self):
+        """`surgery.extend` stays small: each name it exports is imported from it by a built-in family or shown in
+        docs/usage.md, and it exports nothing beyond its `__all__` (what `surgery.extend` offers is that list)."""
+        import surgery.extend
+
+        imported = {alias.name for path in (ROOT / "rewrites").glob("*.py")
+                    for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.module == "surgery.extend" for alias in node.names}
+        usage = (ROOT / "docs" / "usage.md").read_text()
+        self.assertEqual([n for n in surgery.extend.__all__ if n not in imported and f"surgery.extend.{n}" not in usage],
+                         [])
+        self.assertEqual(sorted(n for n in vars(surgery.extend) if not n.startswith("_")), sorted(surgery.extend.__all__))
+        self.assertLessEqual(len(surgery.extend.__all__), 15)  # about a dozen names a family author needs
+
     def test_no_cycles_lazy_imports_included(self):
         self.assertEqual(cycles(graph()), [])
 
@@ -248,6 +264,11 @@ class InstalledNames(unittest.TestCase):
             self.assertFalse(hasattr(surgery, old), old)
         with self.assertRaises(TypeError):
             Family(name="x", model_class=None, reduced=lambda c: c)
+        # the flat fields before the model / tp / tests grouping
+        for old in ("test_configs", "tp_plans", "tp_checks", "tp_when", "replicated", "rotary", "count_all_reduces",
+                    "rounds_to"):
+            with self.assertRaises(TypeError, msg=old):
+                Family(name="x", model_class=None, **{old: None})
         self.assertFalse(hasattr(Family, "aliases"))
         result = subprocess.run([sys.executable, "-c", "import surgery.inspect"], cwd=ROOT, capture_output=True,
                                 text=True)

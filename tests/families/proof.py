@@ -46,7 +46,7 @@ def proven_errors(world: int) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    missing = [f.name for f in W.families().values() if f.variants and not f.test_configs]
+    missing = [f.name for f in W.families().values() if f.variants and not f.tests.configs]
     if missing:
         raise SystemExit(f"families with published variants but no test configs, so nothing proves them: {missing}")
     errors = {world: proven_errors(world) for world in WORLDS}

@@ -93,7 +93,7 @@ class EveryFamily(unittest.TestCase):
     @parameterized.expand([(f.name,) for f in W.families().values() if f.variants], name_func=_name)
     def test_is_run_by_this_suite(self, family_name):
         # the README, docs/families.md and `surgery families` list a family as sharded only if this suite runs it
-        self.assertTrue(W.families()[family_name].test_configs,
+        self.assertTrue(W.families()[family_name].tests.configs,
                         f"{family_name} registers published variants but no test configs, so this suite never runs "
                         "it and nothing proves it shards: add test_configs (its structure at tiny widths)")
         self.assertIn(family_name, {name for name, _ in TP_CASES})
@@ -254,7 +254,7 @@ def head_counts(module: torch.nn.Module) -> list[int]:
 
 
 def declared_whole(model: torch.nn.Module, family) -> set[str]:
-    """The parameters of the modules a family declares whole on every rank (`Family.replicated`: class -> {path
+    """The parameters of the modules a family declares whole on every rank (`TensorParallel.replicated`: class -> {path
     pattern relative to the class's module: reason})."""
     from fnmatch import fnmatchcase
 
@@ -262,7 +262,7 @@ def declared_whole(model: torch.nn.Module, family) -> set[str]:
 
     names: set[str] = set()
     for path, module in model.named_modules():
-        patterns = {**family.replicated.get(qualified_name(type(module)), {}), **family.replicated.get(type(module), {})}
+        patterns = {**family.tp.replicated.get(qualified_name(type(module)), {}), **family.tp.replicated.get(type(module), {})}
         for key, child in module.named_modules():
             if key and any(fnmatchcase(key, pattern) for pattern in patterns):
                 names |= {".".join(p for p in (path, key, n) if p) for n, _ in child.named_parameters()}

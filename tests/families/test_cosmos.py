@@ -23,7 +23,7 @@ class CosmosImageContext(unittest.TestCase):
         from surgery.parallel.derive import runs_on_dtensors
 
         torch.manual_seed(0)
-        config = {**W.families()["cosmos"].test_configs["tiny"], "img_context_dim_in": 8, "img_context_dim_out": 16,
+        config = {**W.families()["cosmos"].tests.configs["tiny"], "img_context_dim_in": 8, "img_context_dim_out": 16,
                   "img_context_num_tokens": 4}
         model = surgery.unfuse(diffusers.CosmosTransformer3DModel(**config))
         attention = model.transformer_blocks[0].attn2

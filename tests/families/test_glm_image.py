@@ -14,9 +14,9 @@ class AllReducesOfModulesCalledTwice(unittest.TestCase):
         # projectors are FeedForwards too: 3 rowwise outputs per block + 2, read off the forward on meta (its
         # dropped-prior-token mask is a boolean index)
         family = families()["glm-image"]
-        config = dict(family.test_configs["tiny"])
-        self.assertEqual(family.count_all_reduces(config), 3 * config["num_layers"] + 2)
-        self.assertEqual(family.count_all_reduces(family.config()), 3 * 30 + 2)
+        config = dict(family.tests.configs["tiny"])
+        self.assertEqual(family.tp.all_reduces(config), 3 * config["num_layers"] + 2)
+        self.assertEqual(family.tp.all_reduces(family.config()), 3 * 30 + 2)
 
 
 if __name__ == "__main__":

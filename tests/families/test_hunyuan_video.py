@@ -51,7 +51,7 @@ def sharded_case(rank: int, world: int, config_name: str, seed: int) -> dict:
     return {
         "forward": forward,
         "collectives": dict(counter.counts),
-        "expected": family.count_all_reduces(config),
+        "expected": family.tp.all_reduces(config),
         "param_grads": gradient_errors(got, ref),
         "input_grads": max(rel_err(got_in[k], g) for k, g in ref_in.items()),
     }
@@ -76,7 +76,7 @@ class TensorParallel(unittest.TestCase):
 
 class Equivalence(unittest.TestCase):
     def test_the_refiner_key_bias_gradient_vanishes_and_every_gradient_matches_on_the_model_scale(self):
-        for name in W.families()[FAMILY].test_configs:
+        for name in W.families()[FAMILY].tests.configs:
             family, config, fused = W.make(FAMILY, name, 0)
             unfused = surgery.unfuse(copy.deepcopy(fused))
             kw = W.inputs(family, config, 0)

@@ -18,7 +18,7 @@ from surgery.core.registry import families
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
 from surgery.core.walk import find_modules
 
-CONFIG = dict(families()["hunyuan-image"].test_configs["tp_wide"], num_refiner_layers=1)
+CONFIG = dict(families()["hunyuan-image"].tests.configs["tp_wide"], num_refiner_layers=1)
 REFINER = "context_embedder.token_refiner.refiner_blocks.0"
 
 
@@ -60,4 +60,4 @@ class TokenRefiner(unittest.TestCase):
         for r in run_on_cpu_ranks(sharded_case, 2):
             self.assertLessEqual(r["forward"], W.FP32_TOL)
             self.assertLessEqual(r["grads"], W.FP32_GRAD_TOL)
-            self.assertEqual(r["collectives"], {"all_reduce": families()["hunyuan-image"].count_all_reduces(CONFIG)})
+            self.assertEqual(r["collectives"], {"all_reduce": families()["hunyuan-image"].tp.all_reduces(CONFIG)})

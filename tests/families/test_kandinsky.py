@@ -68,7 +68,7 @@ class Kandinsky5Names(unittest.TestCase):
         family = surgery.extend.families()["kandinsky5"]
         with fake_process_group(2):
             with self.assertRaisesRegex(surgery.SurgeryError, r"still a fused Kandinsky5Attention.*surgery\.unfuse"):
-                surgery.tensor_parallel(model_on_meta(family, family.test_configs["tiny"]),
+                surgery.tensor_parallel(model_on_meta(family, family.tests.configs["tiny"]),
                                         init_device_mesh("cpu", (2,)), src_data_rank=None)
 
 

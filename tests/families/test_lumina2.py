@@ -24,7 +24,7 @@ from surgery.testing import FP32_TOL, rel_err, seeded_model
 
 def _lumina2():
     family = surgery.extend.families()["lumina2"]
-    return family, dict(family.test_configs["tiny"])
+    return family, dict(family.tests.configs["tiny"])
 
 
 class Lumina2GroupedQueries(unittest.TestCase):

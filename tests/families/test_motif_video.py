@@ -16,7 +16,7 @@ from surgery.core.registry import families
 from surgery.testing import CollectiveCounter, rel_err, run_on_cpu_ranks, seeded_model
 
 CONFIG = dict(
-    families()["motif-video"].test_configs["tp_wide"],
+    families()["motif-video"].tests.configs["tp_wide"],
     num_single_layers=3, num_decoder_layers=1, enable_text_cross_attention_single=True,
 )
 
@@ -69,6 +69,6 @@ class SingleBlockCrossAttention(unittest.TestCase):
             self.assertLessEqual(r["input_grads"], W.FP32_GRAD_TOL)
             # two reduce-scatters per single block with cross-attention; all-reduces as without it
             self.assertEqual(r["collectives"], {
-                "all_reduce": families()["motif-video"].count_all_reduces(CONFIG),
+                "all_reduce": families()["motif-video"].tp.all_reduces(CONFIG),
                 "reduce_scatter_tensor": 2 * encoder_single,
             })

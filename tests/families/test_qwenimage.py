@@ -34,7 +34,7 @@ class QwenImagePlans(unittest.TestCase):
         from torch.distributed.tensor import DTensor
 
         family = surgery.extend.families()["qwen-image"]
-        model = seeded_model(family, family.test_configs["tp_small"])
+        model = seeded_model(family, family.tests.configs["tp_small"])
         model.transformer_blocks[1].attn.set_processor(AttnProcessor2_0())
         with fake_process_group(2):
             mesh = init_device_mesh("cpu", (2,))
@@ -49,7 +49,7 @@ class QwenImagePlans(unittest.TestCase):
 
     def test_edit_2511_inputs_hold_a_target_and_a_condition_image(self):
         family = surgery.extend.families()["qwen-image"]
-        config = family.test_configs["edit2511_small"]
+        config = family.tests.configs["edit2511_small"]
         kw = family.example_inputs(config, batch=2, image_tokens=16)
         self.assertEqual(kw["img_shapes"], [[(1, 2, 4), (1, 2, 4)]] * 2)
         with torch.no_grad():

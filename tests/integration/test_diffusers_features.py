@@ -23,7 +23,7 @@ import surgery
 from surgery.testing import rel_err, run_on_cpu_ranks
 
 TOL = W.FP32_TOL
-CASES = [(f.name, next(iter(f.test_configs))) for f in W.conformant_families()]
+CASES = [(f.name, next(iter(f.tests.configs))) for f in W.conformant_families()]
 IDS = [name for name, _ in CASES]
 
 
@@ -58,7 +58,7 @@ _HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # 
 
 
 def test_on_stock_skips_for_stock_refusals_only():
-    _, _, stock = W.make("flux2", next(iter(surgery.extend.families()["flux2"].test_configs)))
+    _, _, stock = W.make("flux2", next(iter(surgery.extend.families()["flux2"].tests.configs)))
 
     def outcome(fn) -> str:
         try:
@@ -416,7 +416,7 @@ def test_gradient_checkpointing(family_name, config_name):
 def test_save_lora_adapter_wrong_name_raises_diffusers_error(tmp_path):
     from peft import LoraConfig
 
-    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].test_configs)))
+    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].tests.configs)))
     for model in (stock, unfused):
         model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["x_embedder"], init_lora_weights=False))
         with pytest.raises(ValueError, match="Adapter name foo not found in the model."):
@@ -429,7 +429,7 @@ def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, ex
     from peft import LoraConfig
     from safetensors.torch import load_file
 
-    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].test_configs)))
+    _, _, stock, unfused = build("flux2", next(iter(surgery.extend.families()["flux2"].tests.configs)))
     saved = {}
     for name, model in (("stock", stock), ("unfused", unfused)):
         torch.manual_seed(0)

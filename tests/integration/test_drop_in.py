@@ -31,7 +31,7 @@ class DropIn(unittest.TestCase):
     @parameterized.expand(FAMILIES)
     def test_blocks_and_hooked_paths_are_the_stock_ones(self, family_name):
         family = surgery.extend.families()[family_name]
-        _, _, stock = W.make(family_name, next(iter(family.test_configs)))
+        _, _, stock = W.make(family_name, next(iter(family.tests.configs)))
         model = surgery.unfuse(copy.deepcopy(stock))
         for attr in BLOCK_NAME_LISTS:
             self.assertEqual(named(model, attr), named(stock, attr), attr)

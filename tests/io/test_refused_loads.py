@@ -103,9 +103,9 @@ class EveryFamily(unittest.TestCase):
         from surgery.testing import seeded_model
 
         for name, family in sorted(families().items()):
-            if not family.test_configs or not family.rewrites:
+            if not family.tests.configs or not family.rewrites:
                 continue
-            config = next(iter(family.test_configs.values()))
+            config = next(iter(family.tests.configs.values()))
             with self.subTest(name):
                 stock = seeded_model(family, config, 1)
                 slices = surgery.state_dict.weight_slices(stock)

@@ -127,7 +127,7 @@ class ExplicitRefusals(unittest.TestCase):
 class RegisteredFamiliesAreCovered(unittest.TestCase):
     @parameterized.expand([(f.name,) for f in W.conformant_families()])
     def test_every_block_linear_is_planned_or_declared_whole(self, family_name):
-        config_name = next(iter(W.families()[family_name].test_configs))
+        config_name = next(iter(W.families()[family_name].tests.configs))
         _, _, model = W.make(family_name, config_name)
         model = surgery.unfuse(model)
         self.assertEqual(plans.unplanned_linears(model, plans.planned_for(model))[0], [])
@@ -152,7 +152,7 @@ class RegisteredFamiliesAreCovered(unittest.TestCase):
         checked_plan(model, None, None, 2)
 
     def test_a_declared_linear_is_whole_by_its_declaration_and_refused_without_it(self):
-        _, _, model = W.make("qwen-image", next(iter(W.families()["qwen-image"].test_configs)))
+        _, _, model = W.make("qwen-image", next(iter(W.families()["qwen-image"].tests.configs)))
         block = type(model.transformer_blocks[0])
         with mock.patch.dict(registry._replicated, {block: {}}):
             with self.assertRaisesRegex(surgery.SurgeryError, r"'transformer_blocks\.0\.img_mod\.1'"):

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import conformance_worker as W
 import surgery
+import surgery.core.rewrite
 from surgery.core.registry import model_class, tp_plan_for
 from surgery.testing import assert_unchanged, snapshot
 from surgery.parallel.distributed import fake_process_group
@@ -62,7 +63,7 @@ class AgainstDiffusersTpPlan(unittest.TestCase):
         family = W.families()[family_name]
         cls = model_class(family)
         torch.manual_seed(0)
-        model = cls(**next(iter(family.test_configs.values())))  # the stock model, not unfused
+        model = cls(**next(iter(family.tests.configs.values())))  # the stock model, not unfused
         theirs = {key: STOCK[style] for key, style in cls._tp_plan.items() if isinstance(style, str)}
         ours = derived_linear_styles(model)
         # every string entry of diffusers' plan names Linears the derivation plans the same way
@@ -110,7 +111,7 @@ class Refusals(unittest.TestCase):
 
     def test_a_torch_rms_norm_across_heads_is_refused_until_unfused(self):
         torch.manual_seed(0)
-        model = diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"])
+        model = diffusers.WanTransformer3DModel(**W.families()["wan"].tests.configs["tiny"])
         attn = model.blocks[0].attn1
         plan = projection_plan(attn)
         self.assertIsInstance(plan, Refused)
@@ -122,7 +123,7 @@ class Refusals(unittest.TestCase):
 
     def test_a_linear_without_a_rule_is_refused_by_name(self):
         torch.manual_seed(0)
-        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
+        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].tests.configs["tiny"]))
         attn = model.blocks[0].attn1
         self.assertIsInstance(derived(attn), dict)
         attn.to_gate = nn.Linear(32, 3)  # not one output per head (4)
@@ -132,7 +133,7 @@ class Refusals(unittest.TestCase):
 
     def test_a_per_head_gate_is_colwise_with_the_heads_and_one_of_another_input_is_refused(self):
         torch.manual_seed(0)
-        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].test_configs["tiny"]))
+        model = surgery.unfuse(diffusers.WanTransformer3DModel(**W.families()["wan"].tests.configs["tiny"]))
         attn = model.blocks[0].attn1
         attn.to_gate_logits = nn.Linear(32, 4)  # the query's input -> one logit per head (LTX-2's gated attention)
         self.assertIs(type(derived(attn)["to_gate_logits"]), ColwiseParallel)
@@ -205,7 +206,7 @@ class Rotary(unittest.TestCase):
         # Helios with is_amplify_history: its processor scales the history keys by one parameter per head, whole on
         # every rank; the published Helios transformers leave it off
         torch.manual_seed(0)
-        config = {**W.families()["helios"].test_configs["tiny"], "is_amplify_history": True}
+        config = {**W.families()["helios"].tests.configs["tiny"], "is_amplify_history": True}
         model = surgery.unfuse(diffusers.HeliosTransformer3DModel(**config))
         plan = derived(model.blocks[0].attn1)
         self.assertIsInstance(plan, Refused)
@@ -225,7 +226,7 @@ class SharedParts(unittest.TestCase):
         # (norms per head) declines it, so each norm gets `AcrossHeadsNorm` (weight Shard(0), one all-reduce of a
         # number per token), not a replicated weight over a width it cannot see whole
         torch.manual_seed(0)
-        config = W.families()["sana"].test_configs["tiny_sprint"]
+        config = W.families()["sana"].tests.configs["tiny_sprint"]
         model = surgery.unfuse(diffusers.SanaTransformer2DModel(**config))
         plans = {path: plan for path, _, plan in planned_for(model)}
         for attention in ("attn1", "attn2"):
@@ -248,7 +249,7 @@ class SharedParts(unittest.TestCase):
     def test_a_plain_sequential_mlp_derives_like_a_feed_forward_and_no_other_sequential_does(self):
         # WanAnimate2's `ffn = Sequential(Linear, GELU, Linear)`: colwise in, rowwise out, one all-reduce
         torch.manual_seed(0)
-        config = W.families()["wan-animate-2"].test_configs["tiny"]
+        config = W.families()["wan-animate-2"].tests.configs["tiny"]
         model = surgery.unfuse(diffusers.WanAnimate2Transformer3DModel(**config))
         plans = {path: plan for path, _, plan in planned_for(model)}
         plan = plans["blocks.0.ffn"]
@@ -271,9 +272,9 @@ class AllReduces(unittest.TestCase):
     def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
         # the hand-written families' counts (lambdas over the config) are independent of `all_reduces`
         family = W.families()[family_name]
-        for config in family.test_configs.values():
+        for config in family.tests.configs.values():
             with torch.device("meta"):  # the class as is: a test config may lie outside the published range
-                model = surgery.extend.unfuse(model_class(family)(**config))
+                model = surgery.core.rewrite.unfuse(model_class(family)(**config))
             styled = [(model.get_submodule(".".join(p for p in (path, key) if p)), style)
                       for path, _, plan in planned_for(model) for key, style in plan.items()]
             # planned modules the forward never calls make none (SANA-WM's refiner keeps LTX-2's audio stream unused)
@@ -289,5 +290,5 @@ class AllReduces(unittest.TestCase):
             read = sum(all_reduces(style) for m, style in styled if id(m) in called)
             # at least one per planned style; more where a forward runs a module twice (CogView4's blocks run one
             # feed-forward on both streams): the exact number is what the conformance world-2 job measures
-            self.assertGreaterEqual(family.count_all_reduces(config), read)
-            self.assertLessEqual(family.count_all_reduces(config), 2 * read)
+            self.assertGreaterEqual(family.tp.all_reduces(config), read)
+            self.assertLessEqual(family.tp.all_reduces(config), 2 * read)

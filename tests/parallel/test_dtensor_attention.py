@@ -68,7 +68,7 @@ class Collectives(unittest.TestCase):
         family = W.families()["krea2"]
         for world in (2, 4):
             forward, _ = self.forward_and_backward("krea2", world)
-            self.assertEqual(forward, {"all_reduce": family.count_all_reduces(family.test_configs["tiny"])}, world)
+            self.assertEqual(forward, {"all_reduce": family.tp.all_reduces(family.tests.configs["tiny"])}, world)
 
     def test_backward_reduces_only_what_replicated_inputs_and_weights_need(self):
         # the backward: a gradient for each replicated input of an attention and each replicated weight (q/k norms)

@@ -240,7 +240,7 @@ class OnTwoRanks(unittest.TestCase):
     def test_default_makes_the_family_all_reduces(self):
         config = small_config(CONFIG)
         for result in rank_results():
-            self.assertEqual(result["default"]["collectives"], {"all_reduce": FAMILY.count_all_reduces(config)})
+            self.assertEqual(result["default"]["collectives"], {"all_reduce": FAMILY.tp.all_reduces(config)})
 
     def test_printed_wildcard_plan_shards_like_the_registered_plans(self):
         for result in rank_results():

@@ -128,7 +128,7 @@ class Unsharded(unittest.TestCase):
 
     def test_grouped_query_heads_keep_their_key_value_head(self):
         family = families()["lumina2"]
-        config = family.test_configs["tiny"]  # 8 query heads over 4 key/value heads
+        config = family.tests.configs["tiny"]  # 8 query heads over 4 key/value heads
         stock = seeded_model(family, config, 4)
         kw = family.example_inputs(config, batch=2, seed=4)
         model, found = padded(surgery.unfuse(copy.deepcopy(stock)), 3)
@@ -161,7 +161,7 @@ class Unsharded(unittest.TestCase):
 
     def test_across_heads_norm_refused_model_untouched(self):
         family = families()["wan"]  # q/k norms over the whole width: their statistic would count zero heads
-        model = surgery.unfuse(seeded_model(family, family.test_configs["tiny"], 0))
+        model = surgery.unfuse(seeded_model(family, family.tests.configs["tiny"], 0))
         self.assert_refused_untouched(model, 3, "norm_q' normalizes 32 features across the heads")
 
     def test_a_later_refusal_puts_the_heads_back(self):

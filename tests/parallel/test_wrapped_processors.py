@@ -40,7 +40,7 @@ def derived(processor):
 
 def tiny(name):
     family = families()[name]
-    return seeded_model(family, dict(next(iter(family.test_configs.values()))))
+    return seeded_model(family, dict(next(iter(family.tests.configs.values()))))
 
 
 def set_processors(model, make):

@@ -335,7 +335,7 @@ class Commands(unittest.TestCase):
     def test_explore_from_inspect_in_a_notebook(self):
         from surgery_rewrites.flux2 import FAMILY
 
-        config = FAMILY.test_configs["tp_wide"]
+        config = FAMILY.tests.configs["tp_wide"]
         model = surgery.core.build.model_on_meta(FAMILY, config)
         inputs = FAMILY.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
         with tempfile.TemporaryDirectory() as tmp:
@@ -418,7 +418,7 @@ class OtherFamilies(unittest.TestCase):
     def test_input_names_and_output_edge(self):
         for name in ("flux1", "hunyuan-video"):
             family = surgery.extend.families()[name]
-            config = next(iter(family.test_configs.values()))
+            config = next(iter(family.tests.configs.values()))
             model = surgery.core.build.model_on_meta(family, config)
             inputs = family.example_inputs(config, image_tokens=16, text_tokens=8, device="meta")
             for graph in forms.forms(model, inputs, tp=2):

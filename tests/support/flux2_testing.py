@@ -11,7 +11,7 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVAttnProcessor
 from surgery_rewrites.flux2 import FAMILY, example_inputs, seeded_model
 from surgery.testing import assert_unchanged, rel_err, snapshot  # noqa: F401  (re-exported for the tests)
 
-SMALL_CONFIGS = FAMILY.test_configs
+SMALL_CONFIGS = FAMILY.tests.configs
 
 
 def small_config(name: str) -> dict:

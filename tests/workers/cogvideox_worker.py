@@ -13,7 +13,7 @@ import surgery
 def rope(rank: int, world: int) -> dict:
     family, config, fused = W.make("cogvideox", "tiny_rope", 0)
     kw = W.inputs(family, config, 0)
-    out = {"expected_all_reduces": family.count_all_reduces(config)}
+    out = {"expected_all_reduces": family.tp.all_reduces(config)}
     with torch.no_grad():
         expected = W.output(fused, kw)
         model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), init_device_mesh("cpu", (world,)))

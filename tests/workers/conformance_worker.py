@@ -22,28 +22,28 @@ from surgery.testing import (BF16_TOL, FP32_GRAD_TOL, FP32_TOL, CollectiveCounte
 
 def grad_tolerance(family: Family) -> float:
     """The bound on sharded-vs-whole gradients: float32's, or bfloat16's where the stock forward itself rounds to
-    bfloat16 in float32 (`Family.rounds_to`), whose backward rounds the gradients there too."""
-    return BF16_TOL if family.rounds_to == torch.bfloat16 else FP32_GRAD_TOL
+    bfloat16 in float32 (`Tests.rounds_to`), whose backward rounds the gradients there too."""
+    return BF16_TOL if family.tests.rounds_to == torch.bfloat16 else FP32_GRAD_TOL
 
 
 def conformant_families() -> list[Family]:
     """Families with a model to build: published variants and small test configs. A family with variants and no test
     configs is not silently left out of the proof: `test_conformance.EveryFamily` fails on it."""
-    return [f for f in families().values() if f.variants and f.test_configs]
+    return [f for f in families().values() if f.variants and f.tests.configs]
 
 
 def family_cases(tp_only: bool = False) -> list[tuple[str, str]]:
     """`(family, test config)` for every family; `tp_only`: the first test config of each (what runs sharded)."""
     cases = []
     for family in conformant_families():
-        names = list(family.test_configs)
+        names = list(family.tests.configs)
         cases += [(family.name, name) for name in (names[:1] if tp_only else names)]
     return cases
 
 
 def make(family_name: str, config_name: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     family = families()[family_name]
-    config = dict(family.test_configs[config_name])
+    config = dict(family.tests.configs[config_name])
     return family, config, seeded_model(family, config, seed, dtype)
 
 
@@ -102,7 +102,7 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
             with CollectiveCounter() as theirs:
                 result["diffusers_forward"] = rel_err(output(packed, kw), expected)
             result["diffusers_collectives"] = dict(theirs.counts)
-    result["expected_all_reduces"] = family.count_all_reduces(config) if family.count_all_reduces else None
+    result["expected_all_reduces"] = family.tp.all_reduces(config) if family.tp.all_reduces else None
 
     unfused = surgery.unfuse(copy.deepcopy(fused))
     sharded = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}

@@ -15,7 +15,7 @@ def train_mode(rank: int, world: int) -> dict:
     fused.train()  # MOEFeedForwardSwiGLU's training path: every expert called, routing weights under autograd
     kw = W.inputs(family, config, 0)
     model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), init_device_mesh("cpu", (world,)))
-    out = {"expected_all_reduces": family.count_all_reduces(config)}
+    out = {"expected_all_reduces": family.tp.all_reduces(config)}
     with torch.no_grad():
         expected = W.output(fused, kw)
         with W.CollectiveCounter() as counter:

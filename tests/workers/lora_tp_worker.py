@@ -105,7 +105,7 @@ def refused(model, call) -> str | None:
 def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
     family = surgery.extend.families()[family_name]
     pipe_cls = pipeline_class(CASES[family_name][0])
-    config = family.test_configs[CASES[family_name][1]]
+    config = family.tests.configs[CASES[family_name][1]]
     base = seeded_model(family, config, 0)
     kw = example_inputs(family, config, batch=1, seed=0)
     targets = block_linears(base)
@@ -220,7 +220,7 @@ def check_family(family_name: str, mesh, root: Path, shared: Path) -> dict:
     model.load_lora_adapter(files["one"], adapter_name="one")
     other = "flux1" if family_name == "flux2" else "flux2"
     other_family = surgery.extend.families()[other]
-    other_base = seeded_model(other_family, other_family.test_configs[CASES[other][1]], 0)
+    other_base = seeded_model(other_family, other_family.tests.configs[CASES[other][1]], 0)
     state, cfg = random_adapter(other_base, 9, 2, 2, block_linears(other_base))
     foreign = publish(pipe_cls, state, cfg, root / family_name / "foreign")
     out["refuse: another family"] = refused(model, lambda: model.load_lora_adapter(foreign, adapter_name="f"))

@@ -20,7 +20,7 @@ def two_blocks(rank: int, world: int) -> dict:
         family, config, fused = W.make(family_name, config_name, 0, torch.float64)
         kw = W.inputs(family, config, 0, torch.float64)
         model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), init_device_mesh("cpu", (world,)))
-        result = {"expected_all_reduces": family.count_all_reduces(config)}
+        result = {"expected_all_reduces": family.tp.all_reduces(config)}
         with torch.no_grad():
             with W.CollectiveCounter() as counter:
                 result["forward"] = W.rel_err(W.output(model, kw), W.output(fused, kw))
@@ -60,5 +60,5 @@ def refiner_kv_cache(rank: int, world: int) -> dict:
 
         (a, b, _), (ta, tb, collectives) = cached(fused), cached(model)
         out[config_name] = {"first": W.rel_err(ta, a), "second": W.rel_err(tb, b), "collectives": collectives,
-                            "expected_all_reduces": family.count_all_reduces(config)}
+                            "expected_all_reduces": family.tp.all_reduces(config)}
     return out

@@ -222,7 +222,7 @@ def user_paths(rank: int, world: int, family_name: str, variant: str, depth: dic
     with CollectiveCounter() as counter:
         r["tp_none"] = rel_err(forward(model, kw), expected)
     r["all_reduces"] = counter.counts.get("all_reduce", 0)
-    r["expected_all_reduces"] = family.count_all_reduces(config) if family.count_all_reduces else None
+    r["expected_all_reduces"] = family.tp.all_reduces(config) if family.tp.all_reduces else None
     lap("tensor_parallel(None)")
 
     if "files" in paths:

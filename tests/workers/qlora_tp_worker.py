@@ -31,7 +31,7 @@ def run(rank: int, world: int, shared: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     family = surgery.extend.families()["flux2"]
     pipe_cls = pipeline_class("Flux2Pipeline")
-    config = family.test_configs["dev_small"]
+    config = family.tests.configs["dev_small"]
     base = seeded_model(family, config, 0)
     kw = example_inputs(family, config, batch=1, seed=0)
     targets = block_linears(base)

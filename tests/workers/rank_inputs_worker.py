@@ -106,12 +106,12 @@ def wrap_processors(model: nn.Module) -> list[str]:
 
 def wrapped_after_unfuse(mesh: DeviceMesh, name: str) -> dict:
     """The user's model (stock processors wrapped) against the same wrapper set after `unfuse`, sharded."""
-    family, config, reference = make(name, next(iter(families()[name].test_configs)))
+    family, config, reference = make(name, next(iter(families()[name].tests.configs)))
     kw = family_inputs(family, config, seed=3)
     wrap_processors(reference)
     with torch.no_grad():
         expected = output(reference, kw)
-        model = surgery.unfuse(make(name, next(iter(family.test_configs)))[2])
+        model = surgery.unfuse(make(name, next(iter(family.tests.configs)))[2])
         wrapped = wrap_processors(model)
         surgery.tensor_parallel(model, mesh)
         return {"forward": rel_err(output(model, kw), expected), "wrapped": wrapped}

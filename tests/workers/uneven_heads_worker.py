@@ -19,7 +19,7 @@ from surgery.testing import CollectiveCounter, rel_err
 # family -> (config, heads the case holds); every other width divides the world
 FLUX2 = dict(in_channels=16, timestep_guidance_channels=32, axes_dims_rope=(2, 2, 2, 2), attention_head_dim=8,
              num_layers=1, num_single_layers=2, joint_attention_dim=24, guidance_embeds=True)
-SD3 = {**families()["sd3"].test_configs["tiny_3.5"], "attention_head_dim": 12, "caption_projection_dim": 48}
+SD3 = {**families()["sd3"].tests.configs["tiny_3.5"], "attention_head_dim": 12, "caption_projection_dim": 48}
 CASES = {
     # 4 heads over 3 (-> 6); MLP 32 x 3 = 96 hidden units
     3: [("flux2", {**FLUX2, "num_attention_heads": 4, "mlp_ratio": 3.0}),

@@ -70,7 +70,7 @@ def two_passes(rank: int, world: int) -> dict:
 
     (a, b, cache, _), (ta, tb, tcache, collectives) = passes(fused), passes(model)
     return {"extract": W.rel_err(ta, a), "cached": W.rel_err(tb, b), "collectives": collectives,
-            "expected_all_reduces": family.count_all_reduces(config),
+            "expected_all_reduces": family.tp.all_reduces(config),
             # each rank caches its own heads' k/v, the stock cache's slice of them
             "cache_shapes": [tuple(layer.key.shape) for layer in tcache.layer_caches],
             "cache_is_this_ranks_heads": all(

@@ -26,7 +26,7 @@ CASES = {
 def make(family_name: str, seed: int = 0):
     family = families()[family_name]
     name, override = CASES[family_name]
-    config = {**family.test_configs[name], **override}
+    config = {**family.tests.configs[name], **override}
     return family, config, seeded_model(family, config, seed, torch.float32)
 
 
