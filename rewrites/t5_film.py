@@ -18,7 +18,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor
 from diffusers.models.transformers.t5_film_transformer import T5DenseGatedActDense, T5FilmDecoder, T5FiLMLayer
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from surgery.extend import Processors, derived_family, register_edits, swap_rewrite
+from surgery.extend import Processors, TensorParallel, Tests, derived_family, register_edits, swap_rewrite
 
 # `Attention(scale_qk=False)` runs diffusers' `AttnProcessor` (scores by `baddbmm` at scale 1; SDPA's processor would
 # scale by the head size), which splits and merges heads through the module's `head_to_batch_dim` /
@@ -73,10 +73,12 @@ FAMILY = derived_family(
     "256 target frames); its config.json unverified here",
     default_variant="music-spectrogram",
     example_inputs=t5_film_inputs,
-    tp_plans={T5DenseGatedActDense: {"wi_0": ColwiseParallel(), "wi_1": ColwiseParallel(), "wo": RowwiseParallel()}},
-    replicated={T5FiLMLayer: {"scale_bias": FILM}},
+    tp=TensorParallel(
+        plans={T5DenseGatedActDense: {"wi_0": ColwiseParallel(), "wi_1": ColwiseParallel(), "wo": RowwiseParallel()}},
+        replicated={T5FiLMLayer: {"scale_bias": FILM}},
+    ),
     # diffusers' SpectrogramDiffusionPipelineFastTests decoder (d_model 768, 1 layer, 1 head of 4, d_ff 2048,
     # max_decoder_noise_time 20000), shrunk: 2 layers, 4 heads of 4 (a mesh of 4 splits them), d_model 32
-    test_configs={"tiny": dict(input_dims=8, targets_length=16, max_decoder_noise_time=20000.0, d_model=32,
-                               num_layers=2, num_heads=4, d_kv=4, d_ff=64, dropout_rate=0.1)},
+    tests=Tests(configs={"tiny": dict(input_dims=8, targets_length=16, max_decoder_noise_time=20000.0, d_model=32,
+                                      num_layers=2, num_heads=4, d_kv=4, d_ff=64, dropout_rate=0.1)}),
 )
