@@ -51,6 +51,9 @@ OUTPUT_PROJECTIONS = ("to_out.0", "to_add_out", "to_out", "to_out_t", "out_layer
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k", "q_rms_norm", "k_rms_norm", "q_rms_norm_t",
             "k_rms_norm_t", "query_norm", "key_norm", "q_norm", "k_norm")
 HEAD_COUNTS = ("heads", "num_heads")
+# `Attention`'s methods that reshape by its stored head count (`self.heads`): a processor calling them reads it too
+# (diffusers' `AttnProcessor`, which `Attention(scale_qk=False)` sets)
+HEAD_COUNT_METHODS = ("head_to_batch_dim", "batch_to_head_dim")
 
 
 def per_head_norm(head_dim: int = 2) -> SequenceParallel:
@@ -236,7 +239,7 @@ def head_count_reader(processor, seen: frozenset = frozenset()) -> tuple[type, s
             source = inspect.getsource(call)
         except (OSError, TypeError):
             return cls, "has no source to read"
-        if any(f"attn.{count}" in source for count in HEAD_COUNTS):
+        if any(f"attn.{count}" in source for count in HEAD_COUNTS + HEAD_COUNT_METHODS):
             return cls, "" if cls is type(processor) else f"derives from {cls.__name__}"
     for name, value in getattr(processor, "__dict__", {}).items():
         if callable(value) and not isinstance(value, (type, nn.Module)):

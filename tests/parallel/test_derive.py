@@ -95,6 +95,20 @@ class Refusals(unittest.TestCase):
         self.assertNotIn("", plan)
         self.assertTrue(plan["to_q"].use_local_output)
 
+    def test_a_processor_calling_the_modules_head_reshapes_reads_the_head_count(self):
+        # AttnProcessor (`Attention(scale_qk=False)`'s) splits heads through `attn.head_to_batch_dim`, which reshapes
+        # by `self.heads`: read as plain colwise, a rank holding half the heads would split its width into all of them
+        from surgery.parallel.dtensor_attention import ImplicitReplication
+
+        torch.manual_seed(0)
+        model = diffusers.T5FilmDecoder(input_dims=8, targets_length=8, d_model=16, num_layers=1, num_heads=2, d_kv=8,
+                                        d_ff=32)
+        attention = model.decoders[0].layer[0].attention
+        self.assertIs(type(attention.processor), diffusers.models.attention_processor.AttnProcessor)
+        self.assertIsInstance(attention_plan(attention)[""], ImplicitReplication)
+        surgery.unfuse(model)  # rewrites/t5_film.py's twin: heads split by the head size, no DTensors
+        self.assertNotIn("", attention_plan(model.decoders[0].layer[0].attention))
+
     def test_a_torch_rms_norm_across_heads_is_refused_until_unfused(self):
         torch.manual_seed(0)
         model = diffusers.WanTransformer3DModel(**W.families()["wan"].tests.configs["tiny"])

@@ -4,6 +4,7 @@ tensor-parallel ones on each gloo rank of one spawned job per world size."""
 from __future__ import annotations
 
 import copy
+import inspect
 import zlib
 
 import torch
@@ -51,7 +52,9 @@ def inputs(family: Family, config: dict, seed: int, dtype: torch.dtype = torch.f
 
 
 def output(model: nn.Module, kw: dict) -> torch.Tensor:
-    out = model(**kw, return_dict=False)
+    # T5FilmDecoder's forward takes no `return_dict` (it returns its tensor)
+    takes_return_dict = "return_dict" in inspect.signature(type(model).forward).parameters
+    out = model(**kw, return_dict=False) if takes_return_dict else model(**kw)
     out = out[0] if isinstance(out, tuple) else out  # Kandinsky 5 returns its sample itself, not a tuple
     return torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one tensor per sample
 
