@@ -97,6 +97,14 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
     with default_dtype(dtype):
         model = model_class(family)(**config)
     with torch.no_grad():
+        # `from_pretrained(torch_dtype=...)` loads every floating entry of the state dict in that dtype, persistent
+        # buffers too: those a constructor makes float32 whatever the default dtype (OmniGen's and SD3's `pos_embed`)
+        # would otherwise promote the hidden states they are added to
+        persistent = model.state_dict(keep_vars=True)
+        for name, buffer in list(model.named_buffers()):
+            if name in persistent and buffer.is_floating_point() and buffer.dtype != dtype:
+                module, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(module), leaf, buffer.to(dtype))
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
