@@ -21,7 +21,7 @@ import torch.distributed as dist
 from surgery.parallel.distributed import CollectiveCounter, leave_together, run_on_cpu_ranks
 from surgery.core.build import default_dtype
 from surgery.core.registry import Family, family_of, model_class
-from surgery.core.build import seeded_model
+from surgery.core.build import sample, seeded_model
 
 __all__ = [
     "BF16_TOL",
@@ -36,6 +36,7 @@ __all__ = [
     "keep_attention_backend",
     "leave_together",
     "rel_err",
+    "sample",
     "run_on_cpu_ranks",
     "seeded_model",
     "single_rank_group",

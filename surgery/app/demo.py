@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import surgery
+from surgery.core.build import sample, tuple_output
 from surgery.core.registry import Family, families, resolve_model
 from surgery.sight.render import mb
 from surgery.sight.report import local_bytes
@@ -35,7 +36,7 @@ def _timed_forward(model, inputs: dict, repeats: int = 3) -> tuple[torch.Tensor,
     """One warm-up forward, then the median of `repeats` timed ones."""
     times = _interleaved([model], inputs, repeats)[0]
     with torch.no_grad():
-        out = model(**inputs, return_dict=False)[0]
+        out = sample(model, **inputs)
     return out, times
 
 
@@ -45,11 +46,11 @@ def _interleaved(models: list, inputs: dict, repeats: int = 5) -> list[float]:
     times: list[list[float]] = [[] for _ in models]
     with torch.no_grad():
         for model in models:
-            model(**inputs, return_dict=False)
+            model(**inputs, **tuple_output(model))
         for _ in range(repeats):
             for i, model in enumerate(models):
                 started = time.perf_counter()
-                model(**inputs, return_dict=False)
+                model(**inputs, **tuple_output(model))
                 times[i].append(time.perf_counter() - started)
     return [statistics.median(t) for t in times]
 
@@ -73,7 +74,7 @@ def tp_rank(rank: int, world: int, family_name: str, config: dict, seed: int, dt
     surgery.tensor_parallel(model, init_device_mesh("cpu", (world,)), src_data_rank=None)
     shard_seconds = time.perf_counter() - started
     with torch.no_grad(), CollectiveCounter() as counter:
-        model(**inputs, return_dict=False)  # one forward, counted
+        model(**inputs, **tuple_output(model))  # one forward, counted
     out, tp_seconds = _timed_forward(model, inputs)
     sharded = [p.nbytes for p in model.parameters() if isinstance(p, DTensor)]
     return {

@@ -111,3 +111,19 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
             else:
                 param.normal_(1.0, 0.1)
     return keep_in_fp32(model).eval()
+
+
+def tuple_output(model: nn.Module) -> dict:
+    """The keyword that makes `model`'s forward return a tuple: `return_dict=False` for diffusers' models; nothing for a
+    forward that takes no such argument (it returns its tensor as it is)."""
+    parameters = pyinspect.signature(model.forward).parameters.values()
+    takes = any(p.name == "return_dict" or p.kind is p.VAR_KEYWORD for p in parameters)
+    return {"return_dict": False} if takes else {}
+
+
+def sample(model: nn.Module, **inputs) -> torch.Tensor:
+    """`model`'s output tensor for `inputs`, however its forward returns it: the first entry of diffusers' tuple, the
+    tensor itself, or one tensor per sample (stacked)."""
+    out = model(**inputs, **tuple_output(model))
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.stack(out) if isinstance(out, (list, tuple)) else out

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from surgery.core.build import default_dtype, model_on_meta, resolve_config  # noqa: F401  (plan builds on meta)
+from surgery.core.build import default_dtype, model_on_meta, resolve_config, tuple_output  # noqa: F401  (plan builds on meta)
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import Family, model_class, replicated_for, resolve_model
 from surgery.core.rewrite import unfuse
@@ -378,7 +378,7 @@ def _plan_2d(family: Family, config: dict, tp: int, cp: int, dp: int, *, dtype: 
         for key in ("img_ids", "txt_ids"):  # diffusers' _cp_plans split position ids with a batch dim (3-D)
             if isinstance(inputs.get(key), torch.Tensor) and inputs[key].dim() == 2:
                 inputs[key] = inputs[key].unsqueeze(0)
-        collectives = collectives_by_block(model, **inputs, return_dict=False)
+        collectives = collectives_by_block(model, **inputs, **tuple_output(model))
         if dp > 1:
             units = [block for child in model.children() if isinstance(child, nn.ModuleList) for block in child]
             for block in units:

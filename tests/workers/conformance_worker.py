@@ -4,7 +4,6 @@ tensor-parallel ones on each gloo rank of one spawned job per world size."""
 from __future__ import annotations
 
 import copy
-import inspect
 import zlib
 
 import torch
@@ -16,7 +15,7 @@ import surgery
 from surgery.sight.report import local, local_bytes
 from surgery.core.registry import Family, families, model_class
 from surgery.testing import (BF16_TOL, FP32_GRAD_TOL, FP32_TOL, CollectiveCounter,  # noqa: F401 - the tests read them here
-                             diffusers_packed_tp, rel_err, seeded_model)
+                             diffusers_packed_tp, rel_err, sample, seeded_model)
 
 
 
@@ -52,11 +51,7 @@ def inputs(family: Family, config: dict, seed: int, dtype: torch.dtype = torch.f
 
 
 def output(model: nn.Module, kw: dict) -> torch.Tensor:
-    # T5FilmDecoder's forward takes no `return_dict` (it returns its tensor)
-    takes_return_dict = "return_dict" in inspect.signature(type(model).forward).parameters
-    out = model(**kw, return_dict=False) if takes_return_dict else model(**kw)
-    out = out[0] if isinstance(out, tuple) else out  # Kandinsky 5 returns its sample itself, not a tuple
-    return torch.stack(out) if isinstance(out, (list, tuple)) else out  # Z-Image: one tensor per sample
+    return sample(model, **kw)
 
 
 def floating_inputs(kw: dict) -> list[str]:
