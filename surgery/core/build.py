@@ -116,6 +116,7 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
 def tuple_output(model: nn.Module) -> dict:
     """The keyword that makes `model`'s forward return a tuple: `return_dict=False` for diffusers' models; nothing for a
     forward that takes no such argument (it returns its tensor as it is)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper forwards any keyword to the model's own
     parameters = pyinspect.signature(model.forward).parameters.values()
     takes = any(p.name == "return_dict" or p.kind is p.VAR_KEYWORD for p in parameters)
     return {"return_dict": False} if takes else {}
