@@ -44,13 +44,14 @@ def _interleaved(models: list, inputs: dict, repeats: int = 5) -> list[float]:
     """Median forward seconds of each model, one warm-up each, then the models timed in turn (so a busy moment of
     the machine falls on all of them alike)."""
     times: list[list[float]] = [[] for _ in models]
+    calls = [{**inputs, **tuple_output(model)} for model in models]  # read once: the timed loop runs the forward only
     with torch.no_grad():
-        for model in models:
-            model(**inputs, **tuple_output(model))
+        for model, kwargs in zip(models, calls):
+            model(**kwargs)
         for _ in range(repeats):
-            for i, model in enumerate(models):
+            for i, (model, kwargs) in enumerate(zip(models, calls)):
                 started = time.perf_counter()
-                model(**inputs, **tuple_output(model))
+                model(**kwargs)
                 times[i].append(time.perf_counter() - started)
     return [statistics.median(t) for t in times]
 
