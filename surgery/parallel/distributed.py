@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import pickle
 import signal
@@ -115,17 +117,50 @@ def _on_meta(args: tuple) -> bool:
 
 def _die_with(parent: int) -> None:
     """Have the kernel kill this rank when the process that started it dies (a test run killed mid-job), so that no
-    rank lives on holding its memory and CPU. Linux's `prctl(PR_SET_PDEATHSIG)`; elsewhere a rank outlives it."""
+    rank lives on holding its memory and CPU. Linux's `prctl(PR_SET_PDEATHSIG)`; elsewhere a rank outlives it.
+
+    A rank forked by the forkserver dies with the server, and the server exits once no process holds the write end
+    of its "alive" pipe: `parent` and each forked rank hold one, so the rank closes its copy (Python keeps it in the
+    private `_forkserver_alive_fd`, for a rank that would start processes of its own; ours start none). Whoever died
+    before the prctl sent no signal, so `parent` must still be alive after it (a zombie is dead)."""
     if not sys.platform.startswith("linux"):
         return
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before the call, so no signal will come
+    try:
+        alive = open(f"/proc/{parent}/stat").read().rpartition(") ")[2][0] != "Z"
+    except FileNotFoundError:
+        alive = False
+    if not alive:
         os._exit(1)
 
 
+class _Stdio:
+    """The parent's stdout and stderr as they are when the job starts (pytest's capture of the running test), for the
+    rank to write to: a forked rank would otherwise write to the forkserver's, those of whichever test started it."""
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out, err
+
+    def __reduce__(self):  # runs while the rank is launched: multiprocessing hands both descriptors over
+        return _Stdio, (multiprocessing.reduction.DupFd(1), multiprocessing.reduction.DupFd(2))
+
+    def adopt(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.out.detach(), 1)
+        os.dup2(self.err.detach(), 2)
+
+
 def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int,
-           parent: int) -> None:
+           parent: int, environ: dict, stdio: _Stdio) -> None:
     _die_with(parent)
+    stdio.adopt()
+    os.environ.clear()  # the parent's environment now, not the forkserver's from when it started
+    os.environ.update(environ)
     torch.set_num_threads(threads)
     # The parent sends SIGUSR1 before it kills a rank that ran past its time: every thread's stack goes to stderr.
     if hasattr(signal, "SIGUSR1"):  # POSIX only
@@ -155,9 +190,25 @@ def leave_together() -> NoReturn:
     os._exit(0)
 
 
+# What every rank imports before it runs anything (about 7 s of CPU each). A forkserver imports them once per process
+# that starts rank jobs, and each rank forks from it. Safe to fork: importing them starts no thread of torch's
+# (its OpenMP pool starts at the first parallel op, in the rank); numpy's OpenBLAS starts one, which OpenBLAS stops
+# around a fork (pthread_atfork).
+_PRELOAD = ["torch", "torch.distributed", "diffusers", "surgery", "surgery_rewrites", "surgery.testing"]
+
+
+def _start_method() -> str:
+    """forkserver with the heavy imports preloaded and the server started; spawn where there is no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    multiprocessing.forkserver.set_forkserver_preload(_PRELOAD)  # read when the server starts; later calls no-op
+    multiprocessing.forkserver.ensure_running()
+    return "forkserver"
+
+
 def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1,
                      timeout: float | None = None) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU processes joined by gloo; results by rank.
+    """Run `fn(rank, world_size, *args)` on `world_size` CPU processes joined by gloo; results by rank.
 
     `fn` must be importable (a module-level function) and return something picklable. A job still running after
     `timeout` seconds (default: `SURGERY_RANKS_TIMEOUT`, else 900) has every rank print its stacks, is killed, and
@@ -166,14 +217,16 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
 
     if timeout is None:
         timeout = float(os.environ.get("SURGERY_RANKS_TIMEOUT", 900))
-    deadline = time.monotonic() + timeout
-    queue = mp.get_context("spawn").SimpleQueue()
+    method = _start_method()
+    deadline = time.monotonic() + timeout  # from when the server is up: its imports are not the job's
+    queue = mp.get_context(method).SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="surgery-ranks-") as tmp:
         processes = mp.start_processes(
             _entry,
-            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads, os.getpid()),
+            args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads, os.getpid(), dict(os.environ),
+                  _Stdio()),
             nprocs=world_size,
-            start_method="spawn",
+            start_method=method,
             join=False,
         )
         results: dict[int, Any] = {}
