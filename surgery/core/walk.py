@@ -31,10 +31,15 @@ def outermost(model: nn.Module, match: Callable[[nn.Module], T | None]) -> list[
 
 def find_modules(model: nn.Module, fused: bool) -> list[tuple[str, nn.Module, Rewrite]]:
     """`(path, module, rewrite)` for every module in fused (or unfused) form, outermost first, not nested."""
-    rewrites = registered()
+    # A rewrite matches one exact class (`Rewrite.matches_fused`/`matches_unfused`): look up the module's class, then
+    # ask only its rewrites, in registration order, rather than every rewrite about every module.
+    by_class: dict[type, list[Rewrite]] = {}
+    for rewrite in registered():
+        by_class.setdefault(rewrite.fused if fused else rewrite.unfused, []).append(rewrite)
 
     def match(module: nn.Module) -> Rewrite | None:
-        return next((r for r in rewrites if (r.matches_fused if fused else r.matches_unfused)(module)), None)
+        return next((r for r in by_class.get(type(module), ())
+                     if (r.matches_fused if fused else r.matches_unfused)(module)), None)
 
     return outermost(model, match)
 
