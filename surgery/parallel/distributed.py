@@ -156,9 +156,10 @@ class _Stdio:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, args: tuple, queue, threads: int,
-           parent: int, environ: dict, stdio: _Stdio) -> None:
+           parent: int, environ: dict, stdio: _Stdio | None) -> None:
     _die_with(parent)
-    stdio.adopt()
+    if stdio is not None:  # forked by the server; a spawned rank has the parent's already
+        stdio.adopt()
     os.environ.clear()  # the parent's environment now, not the forkserver's from when it started
     os.environ.update(environ)
     torch.set_num_threads(threads)
@@ -224,7 +225,7 @@ def run_on_cpu_ranks(fn: Callable[..., Any], world_size: int, *args: Any, thread
         processes = mp.start_processes(
             _entry,
             args=(fn, world_size, os.path.join(tmp, "store"), args, queue, threads, os.getpid(), dict(os.environ),
-                  _Stdio()),
+                  _Stdio() if method == "forkserver" else None),
             nprocs=world_size,
             start_method=method,
             join=False,
