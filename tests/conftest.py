@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
-# The tests import their workers (what spawned ranks run) and shared helpers by module name; spawned ranks inherit
+# The tests import their workers (what the ranks run) and shared helpers by module name; the ranks inherit
 # this path.
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(TESTS, "workers"), os.path.join(TESTS, "support")]
 
-# The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 spawned ranks, published widths (on
+# The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 ranks, published widths (on
 # meta too), the notebooks, torch.compile of every family. The README's command leaves them out (pyproject's addopts:
 # -m "not heavy"); CI runs them second, `python -m pytest -q tests -m heavy` (.ci/run). A case of a
 # `parameterized.expand` test whose `world` argument is 4 is marked here: parameterized's generated methods take no
