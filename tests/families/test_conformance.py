@@ -90,7 +90,8 @@ def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
 
 
 class EveryFamily(unittest.TestCase):
-    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants], name_func=_name)
+    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants and W.chosen(f.name)],
+                          name_func=_name)
     def test_is_run_by_this_suite(self, family_name):
         # the README, docs/families.md and `surgery families` list a family as sharded only if this suite runs it
         self.assertTrue(W.families()[family_name].tests.configs,
