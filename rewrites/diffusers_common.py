@@ -2,8 +2,10 @@
 
 `diffusers.models.attention.FeedForward` with a plain activation (GELU, tanh-GELU, approximate GELU, SiLU): the
 up projection column-sharded, the down projection rowwise (one all-reduce). Its gated variants (GEGLU, SwiGLU) fuse
-gate and up in `net.0.proj` and are refused: a model family that uses them rewrites them first. It is registered
-here, once, because the class is diffusers' own.
+gate and up in `net.0.proj`: `GEGLU_ROWS` splits GEGLU's into its hidden and gate rows (a `rows` leaf: its stock
+`chunk(2)` reads each rank's halves), whose feed-forward is then derived (two Linears colwise, the down projection
+rowwise); a family that uses SwiGLU rewrites it (rewrites/ovis_image.py). It is registered here, once, because the
+classes are diffusers' own.
 
 The other plans here are literal dicts that several families register for their own classes, which share diffusers'
 attention layout (`to_q`, `add_q_proj`, `norm_added_q`, ...): `ATTENTION_TP_PLAN`, `DOUBLE_STREAM_ATTENTION_TP_PLAN`
@@ -371,10 +373,21 @@ GENERIC = (AttnProcessor2_0, JointAttnProcessor2_0, CogVideoXAttnProcessor2_0, H
            LuminaAttnProcessor2_0)
 
 
+GEGLU_ROWS = swap_rewrite("diffusers_common.geglu: hidden and gate rows", GEGLU, leaves=(
+    rows("proj", lambda geglu: [("hidden", geglu.proj.out_features // 2), ("gate", geglu.proj.out_features // 2)]),))
+
+
+def _unsplit(ff: nn.Module) -> bool:
+    """A feed-forward whose `net.0.proj` is one Linear; a split one (GEGLU's rows) is derived instead."""
+    return isinstance(getattr(ff.net[0], "proj", None), nn.Linear)
+
+
 FAMILY = Family(
     name="diffusers-common",
     model_class=None,
-    tp=TensorParallel(plans={FeedForward: FEED_FORWARD_TP_PLAN}, checks={FeedForward: _check_feed_forward}),
+    rewrites=(GEGLU_ROWS,),
+    tp=TensorParallel(plans={FeedForward: FEED_FORWARD_TP_PLAN}, checks={FeedForward: _check_feed_forward},
+                      when={FeedForward: _unsplit}),
 )
 
 

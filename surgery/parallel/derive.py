@@ -33,7 +33,7 @@ from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
 from surgery.core.leaves import is_twin, runs_twin
-from surgery.core.norms import ElementwiseRMSNorm
+from surgery.core.norms import ElementwiseLayerNorm, ElementwiseRMSNorm
 from surgery.core.registry import rotary_inputs_for
 from surgery.core.split_projection import SplitProjection
 from surgery.parallel.dtensor_attention import ImplicitReplication
@@ -66,15 +66,17 @@ def per_head_norm(head_dim: int = 2) -> SequenceParallel:
 
 
 class AcrossHeadsNorm(ParallelStyle):
-    """A norm over the whole attention width on a rank that holds a share of the heads: its weight `Shard(0)`, its
-    input this rank's columns as a `Shard(-1)` DTensor, its output local again (a DTensor with
-    `use_local_output=False`, where the processor runs on DTensors). The module computes in elementwise ops and a
-    mean (diffusers' `RMSNorm`, `surgery.core.norms.ElementwiseRMSNorm`), so the mean over the sharded width is a
-    partial sum that DTensor resolves with one all-reduce of `[batch, tokens, 1]`."""
+    """A norm over the whole attention width on a rank that holds a share of the heads: its weight (and bias)
+    `Shard(0)`, its input this rank's columns as a `Shard(-1)` DTensor, its output local again (a DTensor with
+    `use_local_output=False`, where the processor runs on DTensors). The module computes in elementwise ops and means
+    (diffusers' `RMSNorm`, `surgery.core.norms.ElementwiseRMSNorm` / `ElementwiseLayerNorm`), so each mean over the
+    sharded width is a partial sum that DTensor resolves with one all-reduce of `[batch, tokens, 1]`: `statistics`
+    of them per call (an RMS norm's one, a layer norm's two: its mean and its variance)."""
 
-    def __init__(self, use_local_output: bool = True):
+    def __init__(self, use_local_output: bool = True, statistics: int = 1):
         super().__init__()
         self.use_local_output = use_local_output
+        self.statistics = statistics
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -91,6 +93,25 @@ class AcrossHeadsNorm(ParallelStyle):
             return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
         return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+class PerHeadParameters(ParallelStyle):
+    """A module's own per-head tensors (`names`, one entry per head: Lumina-Next's block `gate` over its
+    cross-attention's heads) where its attentions run on DTensors: each `Shard(0)`, split like the heads. The module's
+    forward meets them with the attention outputs, heads-sharded DTensors, so each rank multiplies its own heads' share;
+    no collective. On any other tensor DTensor raises (a DTensor met with a plain tensor), never a silent mismatch."""
+
+    def __init__(self, *names: str):
+        super().__init__()
+        self.names = names
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        for name in self.names:
+            param = module.get_parameter(name)
+            if not isinstance(param, DTensor):
+                placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
+                module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        return module
 
 
 class RotaryAcrossWidth(ParallelStyle):
@@ -325,10 +346,15 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
                 return Refused(f"{name} is a torch.nn.RMSNorm across heads ({width} = heads x {head_dim}); its "
                                "F.rms_norm would all-gather q/k. surgery.unfuse swaps it for ElementwiseRMSNorm "
                                "where the family's rewrite says so")
-            if not isinstance(norm, ElementwiseRMSNorm) and type(norm).__name__ != "RMSNorm":
-                return Refused(f"{name} is a {type(norm).__name__} across heads ({width} wide): only RMS norms "
-                               "written in elementwise ops shard by their statistic")
-            plan[name] = AcrossHeadsNorm(use_local_output=not on_dtensors)
+            if type(norm) is nn.LayerNorm:
+                return Refused(f"{name} is a torch.nn.LayerNorm across heads ({width} = heads x {head_dim}); its "
+                               "F.layer_norm cannot run on a share of the width. surgery.unfuse swaps it for "
+                               "ElementwiseLayerNorm where the family's rewrite says so (norms_across_heads)")
+            if not isinstance(norm, (ElementwiseRMSNorm, ElementwiseLayerNorm)) and type(norm).__name__ != "RMSNorm":
+                return Refused(f"{name} is a {type(norm).__name__} across heads ({width} wide): only RMS and layer "
+                               "norms written in elementwise ops shard by their statistics")
+            plan[name] = AcrossHeadsNorm(use_local_output=not on_dtensors,
+                                         statistics=getattr(norm, "statistics", 1))
         else:
             return Refused(f"{name} normalizes {width} features, neither the head size {head_dim} nor a multiple")
     for name, param in [] if on_dtensors else module.named_parameters(recurse=False):
@@ -440,15 +466,27 @@ def feed_forward_plan(module: nn.Module) -> dict | Refused:
     return {**{first: ColwiseParallel() for first in ins}, last: RowwiseParallel()}
 
 
+def per_head_parameters(module: nn.Module) -> tuple[str, ...]:
+    """The names of a module's own 1-D parameters with one entry per head of an attention it holds that runs on
+    DTensors (`runs_on_dtensors`): its forward meets them with that attention's heads-sharded output."""
+    heads = {head_count(child) for child in module.children() if is_attention(child) and runs_on_dtensors(child)}
+    return tuple(name for name, param in module.named_parameters(recurse=False)
+                 if param.ndim == 1 and param.shape[0] in heads)
+
+
 def derived(module: nn.Module) -> dict | Refused | None:
-    """The derived plan of a module (an attention, a single-stream block), a refusal, or None where no rule is
-    about this module."""
+    """The derived plan of a module (an attention, a single-stream block, a feed-forward, a module's own per-head
+    parameters: a plan of its key `""` alone, beside the derived plans of its children), a refusal, or None where no
+    rule is about this module."""
     if is_attention(module):
         return attention_plan(module)
     if single_stream_parts(module) is not None:
         return single_stream_plan(module)
     if feed_forward_parts(module) is not None:
         return feed_forward_plan(module)
+    per_head = per_head_parameters(module)
+    if per_head:
+        return {"": PerHeadParameters(*per_head)}
     return None
 
 

@@ -120,3 +120,31 @@ def register_cpu_attention_sharding() -> None:
         sharded = [([Shard(d)] * 3, [Shard(d)] * 6 + [None, None, mask_placement(attn_mask, d), None]) for d in (1, 0)]
         whole = None if attn_mask is None else Replicate()
         return [*sharded, ([Replicate()] * 3, [Replicate()] * 6 + [None, None, whole, None])]
+
+    reshard_mask_like_query(aten._scaled_dot_product_flash_attention_for_cpu.default, 0)
+    reshard_mask_like_query(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 1)
+
+
+def reshard_mask_like_query(op, query_index: int) -> None:
+    """The CPU attention ops take their mask as a keyword argument, which DTensor never redistributes (its dispatcher
+    reshards positional arguments only): a mask with one entry per head (Lumina-Next's, expanded over `attn.heads`)
+    would reach the kernel whole beside a rank's share of the heads. A DTensor op handler (its hook for ops its
+    sharding rules cannot serve alone) gives the mask the query's placement first (a local slice of a replicated
+    mask, as the sharding rule above asks; no collective), then dispatches the op as DTensor does."""
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+
+    def handler(op_call, args, kwargs):
+        mask, query = kwargs.get("attn_mask"), args[query_index]
+        if isinstance(mask, DTensor) and isinstance(query, DTensor) and mask.ndim == 4:
+            want = tuple(Shard(p.dim) if isinstance(p, Shard) and mask.shape[p.dim] > 1 else Replicate()
+                         for p in query.placements)
+            if tuple(mask.placements) != want:
+                kwargs = {**kwargs, "attn_mask": mask.redistribute(mask.device_mesh, want)}
+        del handlers[op]  # DTensor's own dispatch, for this one call
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+
+    handlers[op] = handler

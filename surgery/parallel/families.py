@@ -100,7 +100,7 @@ def all_reduces(style) -> int:
     if isinstance(style, PrepareModuleOutput):  # one per output resolved from partial sums
         return sum(1 for have, want in zip(style.output_layouts, style.desired_output_layouts)
                    if have is not None and have.is_partial() and want is not None and want.is_replicate())
-    return int(isinstance(style, AcrossHeadsNorm))
+    return style.statistics if isinstance(style, AcrossHeadsNorm) else 0
 
 
 def derived_family(name: str, model_class: type[nn.Module], *, attention: tuple[type[nn.Module], ...] = (),

@@ -73,8 +73,9 @@ def derived_in_blocks(model: nn.Module, covered: list[str]) -> list[tuple[str, n
     for block, module in transformer_blocks(model):
         for key, child in module.named_modules():
             path = _join(block, key)
+            # a derived plan of the module's own key alone (its per-head parameters) leaves its children to theirs
             if any(p == "" or path == p or path.startswith(p + ".") for p in covered) or any(
-                    path.startswith(p + ".") for p, _, _ in out):
+                    path.startswith(p + ".") for p, _, plan in out if isinstance(plan, Refused) or set(plan) != {""}):
                 continue
             if tp_plan_for(child)[0] is not None:
                 continue

@@ -90,7 +90,8 @@ def skip_plans_only(test: unittest.TestCase, family_name: str) -> None:
 
 
 class EveryFamily(unittest.TestCase):
-    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants], name_func=_name)
+    @parameterized.expand([(f.name,) for f in W.families().values() if f.variants and W.chosen(f.name)],
+                          name_func=_name)
     def test_is_run_by_this_suite(self, family_name):
         # the README, docs/families.md and `surgery families` list a family as sharded only if this suite runs it
         self.assertTrue(W.families()[family_name].tests.configs,
@@ -180,7 +181,7 @@ PLANS_ONLY = [(f.name,) for f in W.conformant_families() if plans_only(f.name)]
 
 
 class PlansOnly(unittest.TestCase):
-    @parameterized.expand(PLANS_ONLY, name_func=_name)
+    @parameterized.expand(PLANS_ONLY, name_func=_name, skip_on_empty=True)  # empty under SURGERY_FAMILIES
     def test_nothing_to_unfuse_and_the_plans_are_diffusers(self, family_name):
         from surgery.integration.interop import diffusers_tp_plan
 
@@ -308,7 +309,7 @@ class TensorParallel(unittest.TestCase):
 class Convert(unittest.TestCase):
     # families whose checkpoints differ between the layouts (a processor swap alone leaves every key as it is)
     @parameterized.expand([c for c in TP_CASES if any(r.in_checkpoints for r in W.families()[c[0]].rewrites)],
-                          name_func=_name)
+                          name_func=_name, skip_on_empty=True)  # empty under SURGERY_FAMILIES
     def test_round_trip_through_the_unfused_layout_is_bitwise(self, family_name, config_name):
         source = Path(fused_checkpoint(family_name, config_name))
         family = surgery.extend.families()[family_name]

@@ -18,7 +18,7 @@ import conformance_worker as W
 import surgery
 import surgery.core.rewrite
 from surgery.core.registry import model_class, tp_plan_for
-from surgery.testing import assert_unchanged, snapshot
+from surgery.testing import CollectiveCounter, assert_unchanged, rel_err, snapshot
 from surgery.parallel.distributed import fake_process_group
 from surgery.parallel.families import all_reduces
 from surgery.parallel.plans import planned_for, transformer_blocks
@@ -234,6 +234,57 @@ class SharedParts(unittest.TestCase):
             self.assertEqual({k for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)}, {"norm_q", "norm_k"})
         self.assertEqual(sum(all_reduces(s) for p in plans.values() for s in p.values()),
                          config["num_layers"] * 2 * (1 + 2))  # per block, per attention: to_out.0 and two norms
+
+    def test_layer_norms_across_heads_take_their_mean_and_variance(self):
+        # Lumina-Next's `layer_norm_across_heads`: refused as torch's LayerNorm (F.layer_norm cannot run on a share of
+        # the width), computed elementwise once unfused: weight and bias Shard(0), two all-reduces of a number per
+        # token (mean, variance), never an all-gather of q/k
+        from torch.distributed.tensor import DTensor, Shard
+
+        from surgery.core.norms import ElementwiseLayerNorm
+
+        torch.manual_seed(0)
+        config = W.families()["lumina-next"].tests.configs["tiny"]
+        model = diffusers.LuminaNextDiT2DModel(**config)
+        plan = projection_plan(model.layers[0].attn1)
+        self.assertIsInstance(plan, Refused)
+        self.assertIn("norm_q is a torch.nn.LayerNorm across heads (32 = heads x 4)", plan.reason)
+        unfused = surgery.unfuse(model)
+        norm = unfused.layers[0].attn1.norm_q
+        self.assertIs(type(norm), ElementwiseLayerNorm)
+        plan = attention_plan(unfused.layers[0].attn1)
+        self.assertEqual({k: all_reduces(v) for k, v in plan.items() if isinstance(v, AcrossHeadsNorm)},
+                         {"norm_q": 2, "norm_k": 2})
+        with torch.no_grad():  # torch's LayerNorm, to float rounding (it accumulates by Welford's method)
+            norm.weight.normal_(), norm.bias.normal_()
+            for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+                x = (torch.randn(2, 5, 32) * 3 + 1).to(dtype)
+                stock = nn.LayerNorm(32, eps=norm.eps).to(dtype)
+                stock.load_state_dict(norm.state_dict())
+                self.assertLessEqual(rel_err(norm.to(dtype)(x), stock(x)), tolerance, dtype)
+        norm.float()
+        with fake_process_group(2):
+            mesh = init_device_mesh("cpu", (2,))
+            AcrossHeadsNorm(use_local_output=False, statistics=2)._apply(norm, mesh)
+            self.assertEqual([p.placements for p in norm.parameters()], [(Shard(0),), (Shard(0),)])
+            with CollectiveCounter() as counted:
+                out = norm(DTensor.from_local(torch.randn(2, 5, 16), mesh, (Shard(-1),), run_check=False))
+        self.assertEqual(dict(counted.counts), {"all_reduce": 2})
+        self.assertEqual(out.placements, (Shard(2),))
+
+    def test_a_blocks_per_head_gate_beside_dtensor_attentions_splits_like_the_heads(self):
+        # Lumina-Next's block multiplies its cross-attention's output (a heads-sharded DTensor) by `gate`, one entry
+        # per head: split like the heads, while the block's attentions and feed-forward keep their derived plans
+        from surgery.parallel.derive import PerHeadParameters
+
+        torch.manual_seed(0)
+        model = surgery.unfuse(diffusers.LuminaNextDiT2DModel(**W.families()["lumina-next"].tests.configs["tiny"]))
+        plans = {path: plan for path, _, plan in planned_for(model)}
+        self.assertEqual(list(plans["layers.0"]), [""])
+        self.assertEqual(plans["layers.0"][""].names, ("gate",))
+        self.assertIsInstance(plans["layers.0"][""], PerHeadParameters)
+        for child in ("attn1", "attn2", "feed_forward"):
+            self.assertIn(f"layers.0.{child}", plans)
 
     def test_the_processor_rule_reads_a_streams_local_width(self):
         # HiDream's processor takes the head size from its image stream's key (`inner_dim = key_i.shape[-1]`)

@@ -79,3 +79,31 @@ class Collectives(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PerHeadMask(unittest.TestCase):
+    def test_a_mask_with_one_entry_per_head_reaches_each_rank_as_its_heads_share(self):
+        # the CPU attention op takes its mask as a keyword argument, which DTensor does not reshard: Lumina-Next's
+        # mask, expanded over `attn.heads`, would reach a rank's share of the heads whole. Here each head's mask
+        # differs, so a wrong share shows in the values (rank 0 of a fake group holds the first half of the heads)
+        from torch.distributed.tensor import Replicate, Shard
+
+        from surgery.parallel.dtensor_attention import register_cpu_attention_sharding
+
+        register_cpu_attention_sharding()
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 8, 6, 4, generator=generator, requires_grad=True) for _ in range(3))
+        mask = torch.randn(2, 8, 6, 6, generator=generator) > 0
+        mask[..., 0] = True  # every query sees a key
+        with fake_process_group(2):
+            mesh = init_device_mesh("cpu", (2,))
+            local = [DTensor.from_local(t[:, :4], mesh, (Shard(1),), run_check=False) for t in (q, k, v)]
+            with CollectiveCounter() as counted:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *local, attn_mask=DTensor.from_local(mask, mesh, (Replicate(),), run_check=False))
+                out.to_local().sum().backward()
+        self.assertEqual(dict(counted.counts), {})
+        self.assertEqual(out.placements, (Shard(1),))
+        expected = torch.nn.functional.scaled_dot_product_attention(*(t[:, :4] for t in (q, k, v)),
+                                                                    attn_mask=mask[:, :4])
+        torch.testing.assert_close(out.to_local(), expected)

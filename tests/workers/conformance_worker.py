@@ -4,6 +4,7 @@ tensor-parallel ones on each gloo rank of one spawned job per world size."""
 from __future__ import annotations
 
 import copy
+import os
 import zlib
 
 import torch
@@ -27,8 +28,15 @@ def grad_tolerance(family: Family) -> float:
 
 def conformant_families() -> list[Family]:
     """Families with a model to build: published variants and small test configs. A family with variants and no test
-    configs is not silently left out of the proof: `test_conformance.EveryFamily` fails on it."""
-    return [f for f in families().values() if f.variants and f.tests.configs]
+    configs is not silently left out of the proof: `test_conformance.EveryFamily` fails on it. `SURGERY_FAMILIES`
+    (names, comma-separated) runs the suite on those alone, while working on them."""
+    return [f for f in families().values() if f.variants and f.tests.configs and chosen(f.name)]
+
+
+def chosen(family_name: str) -> bool:
+    """Whether `SURGERY_FAMILIES` (names, comma-separated; unset: every family) selects the family."""
+    names = [name for name in os.environ.get("SURGERY_FAMILIES", "").split(",") if name]
+    return not names or family_name in names
 
 
 def family_cases(tp_only: bool = False) -> list[tuple[str, str]]:
