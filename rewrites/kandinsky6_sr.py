@@ -27,9 +27,9 @@ def kandinsky6_sr_inputs(config: dict, batch: int = 1, image_tokens: int = 16, t
     timestep on the `[0, 1000]` scale. The model takes no text."""
     generator = torch.Generator().manual_seed(seed)
     _, p_h, p_w = config.get("patch_size", (1, 1, 1))
-    block = sr.FRACTAL_BLOCK_SIZE
+    block, frames = sr.FRACTAL_BLOCK_SIZE, 4
     inputs = dict(
-        hidden_states=torch.randn(batch, 2, block * p_h, block * p_w, 2 * config.get("in_visual_dim", 64) + 1,
+        hidden_states=torch.randn(batch, frames, block * p_h, block * p_w, 2 * config.get("in_visual_dim", 64) + 1,
                                   generator=generator),
         timestep=torch.rand(batch, generator=generator) * 1000,
     )
@@ -49,7 +49,7 @@ FAMILY = derived_family(
         # 2+2+4 = 8 (a mesh of 4 splits them), two blocks; a sliding-tile window of one block (not the released 11 x 7 x
         # 7, which at two 8x8 blocks admits every block) so that NABLA's own per-head selection shapes the mask
         configs={"tiny": dict(in_visual_dim=4, out_visual_dim=8, time_dim=16, model_dim=32, ff_dim=64,
-                              num_visual_blocks=2, axes_dims=(2, 2, 4), nabla_window=(1, 1, 1))},
+                              num_visual_blocks=2, axes_dims=(2, 2, 4), nabla_window=(1, 1, 1), nabla_threshold=0.7)},
         flex_backward="native",
     ),
 )

@@ -89,10 +89,14 @@ def keep_attention_backend(test) -> None:
 @contextlib.contextmanager
 def flex_as(backend: str | None) -> Iterator[None]:
     """Inside, diffusers' `flex` attention backend computes with `backend` (an `AttentionBackendName` value:
-    "native" is SDPA) on the same query, key, value and scale, its `BlockMask` made dense (`dense_mask`): the same
-    attention, computed by a kernel with a backward where `flex` has none (CPU, torch 2.13). Processors that name
-    `flex` explicitly (diffusers' `attention_backend` context yields to an explicit backend) dispatch to it through
-    diffusers' backend registry, so their own code runs unchanged. `None`: nothing changes."""
+    "native" is SDPA) on the same query, key, value and scale, its `BlockMask` made dense (`dense_mask`): the
+    attention the mask describes, computed by a kernel with a backward where `flex` has none (CPU, torch 2.13).
+    Processors that name `flex` explicitly (diffusers' `attention_backend` context yields to an explicit backend)
+    dispatch to it through diffusers' backend registry, so their own code runs unchanged. `None`: nothing changes.
+
+    Eager flex attention (CPU without compiling) reads a `BlockMask`'s `mask_mod` only, not which blocks it lists;
+    compiled flex reads both, and so does this kernel: where a mask lists fewer blocks than its `mask_mod` admits
+    (Kandinsky 6 SR's NABLA selection), it computes the compiled kernel's attention, not the eager one's."""
     if backend is None:
         yield
         return
@@ -116,7 +120,7 @@ def flex_as(backend: str | None) -> Iterator[None]:
 def dense_mask(mask, q_len: int, kv_len: int) -> torch.Tensor:
     """A flex attention `BlockMask` as the boolean `(batch, heads, q_len, kv_len)` mask SDPA takes: a key counts
     where its block is listed for the query's block, and either the block is full or the mask's `mask_mod` admits
-    it (flex applies `mask_mod` in partial blocks only)."""
+    it (compiled flex applies `mask_mod` in partial blocks only)."""
     from torch.nn.attention.flex_attention import BlockMask, create_mask
 
     q_block, kv_block = mask.BLOCK_SIZE

@@ -93,8 +93,8 @@ class Tests:
     # so their gradients): sharded and whole gradients then agree to that precision only, not float32's
     rounds_to: torch.dtype | None = None
     # the diffusers attention backend (`AttentionBackendName` value, e.g. "native") the gradient checks compute the
-    # model's `flex` attention with, where the stock processor dispatches to `flex`, whose backward CPU lacks
-    # (torch 2.13): its `BlockMask` made dense (`surgery.testing.flex_as`). Forwards still run the stock kernel.
+    # model's `flex` attention with, where its stock processor dispatches to `flex`, which has no backward on CPU
+    # (torch 2.13): its `BlockMask` made dense (`surgery.testing.flex_as`). The forward is checked with both kernels.
     flex_backward: str | None = None
 
 

@@ -81,7 +81,9 @@ def gradient_errors(got: dict, ref: dict) -> dict[str, float]:
 
 
 def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int) -> dict:
-    """Sharded unfused model vs the single-device fused one: forward, gathered gradients, collectives, bytes."""
+    """Sharded unfused model vs the single-device fused one: forward, gathered gradients, collectives, bytes. A family
+    whose attention runs `flex` (`Tests.flex_backward`) is compared twice: with the stock kernel, then, counted and
+    differentiated, with the kernel it names (flex attention has no backward on CPU)."""
     family, config, fused = make(family_name, config_name, seed)
     mesh = init_device_mesh("cpu", (world,))
     kw = inputs(family, config, seed)
@@ -91,10 +93,12 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
         model = surgery.tensor_parallel(surgery.unfuse(copy.deepcopy(fused)), mesh)
         if family.tests.flex_backward:
             # the stock flex kernel, outside the counter (under a dispatch mode flex attention insists on compiling);
-            # counted below through the kernel the gradients are checked with, against the same stock output
-            result["flex_forward"] = result["forward"] = rel_err(output(model, kw), expected)
+            # then the kernel the gradients are checked with, whole and sharded, counted
+            result["flex_forward"] = rel_err(output(model, kw), expected)
+            with flex_as(family.tests.flex_backward):
+                expected = output(fused, kw)
         with flex_as(family.tests.flex_backward), CollectiveCounter() as ours:
-            result["forward"] = max(result.get("forward", 0.0), rel_err(output(model, kw), expected))
+            result["forward"] = max(result.get("flex_forward", 0.0), rel_err(output(model, kw), expected))
         result["collectives"] = dict(ours.counts)
         if getattr(model_class(family), "_tp_plan", None) is not None:
             packed = diffusers_packed_tp(copy.deepcopy(fused), mesh)
