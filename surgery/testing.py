@@ -14,9 +14,10 @@ from unittest import mock
 import torch
 import torch.nn as nn
 from diffusers.models._modeling_parallel import TensorParallelConfig
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 import diffusers.hooks.tensor_parallel as dtp
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from surgery.parallel.distributed import CollectiveCounter, leave_together, run_on_cpu_ranks
 from surgery.core.build import default_dtype
@@ -30,6 +31,7 @@ __all__ = [
     "FP32_TOL",
     "assert_unchanged",
     "default_dtype",
+    "dense_mask",
     "diffusers_packed_tp",
     "example_inputs",
     "family_of",
@@ -100,8 +102,6 @@ def flex_as(backend: str | None) -> Iterator[None]:
     if backend is None:
         yield
         return
-    from diffusers.models.attention_dispatch import AttentionBackendName
-    from torch.nn.attention.flex_attention import BlockMask
 
     registry = _AttentionBackendRegistry._backends
     other = registry[AttentionBackendName(backend)]
@@ -121,7 +121,6 @@ def dense_mask(mask, q_len: int, kv_len: int) -> torch.Tensor:
     """A flex attention `BlockMask` as the boolean `(batch, heads, q_len, kv_len)` mask SDPA takes: a key counts
     where its block is listed for the query's block, and either the block is full or the mask's `mask_mod` admits
     it (compiled flex applies `mask_mod` in partial blocks only)."""
-    from torch.nn.attention.flex_attention import BlockMask, create_mask
 
     q_block, kv_block = mask.BLOCK_SIZE
 
