@@ -14,9 +14,10 @@ from unittest import mock
 import torch
 import torch.nn as nn
 from diffusers.models._modeling_parallel import TensorParallelConfig
-from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 import diffusers.hooks.tensor_parallel as dtp
 import torch.distributed as dist
+from torch.nn.attention.flex_attention import BlockMask, create_mask
 
 from surgery.parallel.distributed import CollectiveCounter, leave_together, run_on_cpu_ranks
 from surgery.core.build import default_dtype
@@ -30,9 +31,11 @@ __all__ = [
     "FP32_TOL",
     "assert_unchanged",
     "default_dtype",
+    "dense_mask",
     "diffusers_packed_tp",
     "example_inputs",
     "family_of",
+    "flex_as",
     "keep_attention_backend",
     "leave_together",
     "rel_err",
@@ -83,6 +86,54 @@ def keep_attention_backend(test) -> None:
     sets it for every model in the process, not only the one it is called on."""
 
     test.addCleanup(_AttentionBackendRegistry.set_active_backend, _AttentionBackendRegistry.get_active_backend()[0])
+
+
+@contextlib.contextmanager
+def flex_as(backend: str | None) -> Iterator[None]:
+    """Inside, diffusers' `flex` attention backend computes with `backend` (an `AttentionBackendName` value:
+    "native" is SDPA) on the same query, key, value and scale, its `BlockMask` made dense (`dense_mask`): the
+    attention the mask describes, computed by a kernel with a backward where `flex` has none (CPU, torch 2.13).
+    Processors that name `flex` explicitly (diffusers' `attention_backend` context yields to an explicit backend)
+    dispatch to it through diffusers' backend registry, so their own code runs unchanged. `None`: nothing changes.
+
+    Eager flex attention (CPU without compiling) reads a `BlockMask`'s `mask_mod` only, not which blocks it lists;
+    compiled flex reads both, and so does this kernel: where a mask lists fewer blocks than its `mask_mod` admits
+    (Kandinsky 6 SR's NABLA selection), it computes the compiled kernel's attention, not the eager one's."""
+    if backend is None:
+        yield
+        return
+
+    registry = _AttentionBackendRegistry._backends
+    other = registry[AttentionBackendName(backend)]
+
+    def dense(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, _parallel_config=None,
+              **_):
+        if isinstance(attn_mask, BlockMask):  # diffusers' layout: (batch, tokens, heads, head_dim)
+            attn_mask = dense_mask(attn_mask, query.shape[1], key.shape[1])
+        return other(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                     _parallel_config=_parallel_config)
+
+    with mock.patch.dict(registry, {AttentionBackendName.FLEX: dense}):
+        yield
+
+
+def dense_mask(mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """A flex attention `BlockMask` as the boolean `(batch, heads, q_len, kv_len)` mask SDPA takes: a key counts
+    where its block is listed for the query's block, and either the block is full or the mask's `mask_mod` admits
+    it (compiled flex applies `mask_mod` in partial blocks only)."""
+
+    q_block, kv_block = mask.BLOCK_SIZE
+
+    def tokens(blocks: torch.Tensor) -> torch.Tensor:
+        spread = blocks.bool().repeat_interleave(q_block, -2).repeat_interleave(kv_block, -1)
+        return spread[..., :q_len, :kv_len]
+
+    listed = tokens(mask.to_dense())
+    admitted = create_mask(mask.mask_mod, listed.shape[0], listed.shape[1], q_len, kv_len, device=listed.device)
+    if mask.full_kv_num_blocks is not None:
+        admitted = admitted | tokens(BlockMask.from_kv_blocks(
+            mask.full_kv_num_blocks, mask.full_kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE).to_dense())
+    return listed & admitted
 
 
 @contextlib.contextmanager

@@ -61,6 +61,9 @@ def class_status(cls: type, world: int = 2) -> dict:
     count = sum(all_reduces(style) for _, _, plan in planned for style in plan.values())
     if family is not None and family.tp.all_reduces is not None:  # counts a module run twice per forward twice
         count = family.tp.all_reduces(family.config())
+    if family is not None and family.tests.flex_backward:  # how its backward was proven, beside its errors
+        row["reason"] = (f"flex attention has no CPU backward (torch 2.13): gradients through diffusers' "
+                         f"`{family.tests.flex_backward}` backend on the block mask made dense; forward with both")
     return {**row, "status": "sharded" if family else "planned, unproven", "all_reduces": count,
             "per_block": per_block(model, planned)}
 
@@ -108,7 +111,10 @@ def document(proof: dict) -> str:
         "its own). FLUX.3's joint single block keeps 2 (its attention's and its feed-forward's): resolved at its two "
         "outputs instead, the same 2 all-reduces would carry half the bytes in forward, but DTensor's backward then "
         "fails where the last block's text output is discarded (its split's gradient mixes a plain zero tensor with "
-        "a DTensor).\n\n" + table(proof["classes"]) + "\n"
+        "a DTensor). Where a family's attention runs flex attention, which has no backward on CPU (AnyFlow-FAR, "
+        "Kandinsky 6 SR), the sharded and whole forwards are compared with the stock kernel and again, with the "
+        "gradients, with diffusers' native backend on the flex block mask made dense (`Tests.flex_backward`): the "
+        "plan is the same for both kernels, and the dense mask reads the listed blocks as compiled flex does.\n\n" + table(proof["classes"]) + "\n"
     )
 
 

@@ -46,6 +46,13 @@ from surgery.core.split_projection import (
 )
 
 
+def within(container: nn.Module, path: str, new: nn.Module) -> nn.Module:
+    """A recast of `container` holding `new` at the dotted `path` below it, each module on the way recast too (the
+    original left as it was)."""
+    head, _, rest = path.partition(".")
+    return recast(container, **{head: within(getattr(container, head), rest, new) if rest else new})
+
+
 def recast(module: nn.Module, cls: type[nn.Module] | None = None, **replace: nn.Module) -> nn.Module:
     """A new `cls` (default: `module`'s own class) holding `module`'s attributes, parameters, buffers and children;
     `module` is left as it was. Each keyword names a child and gives what takes its place (same name, same order), so
@@ -86,7 +93,11 @@ class Leaf:
     parts: Callable[[nn.Module], list[tuple[str, int]]]
 
     def child(self, module: nn.Module) -> nn.Module | None:
-        return getattr(module, self.name, None)
+        # a dotted name reaches into a plain container (RFD4-Proteina's `swish_linear.0`, a Linear in a Sequential)
+        try:
+            return module.get_submodule(self.name)
+        except AttributeError:
+            return None
 
     def fused(self, module: nn.Module) -> bool:
         # anything but the split form: a Linear, or one wrapped (PEFT, quantized), which the engine's checks refuse
@@ -370,7 +381,8 @@ def swap_rewrite(
     `children` converts children along (the engine does not visit modules nested in one it rewrites): a `Processors`
     swaps that child attention's processor; a function `fn(child, unfusing)` returns the child in the new form
     (itself where nothing changes). The form is told by the leaves (all fused Linears / all split), or, for a module
-    without leaves, by its own and its children's processors. `unfused_class`, only where the stock forward itself
+    without leaves, by its own and its children's processors, or, with neither, by what the children's converters
+    would change (a stock `nn.RMSNorm` across heads is the fused form). `unfused_class`, only where the stock forward itself
     cannot run the leaves (a `twin` of `cls`): the unfused form's class; `unfuse` then names it beside the stock one
     in the model's `_repeated_blocks` and `_no_split_modules` (surgery.integration.interop).
     """
@@ -383,21 +395,36 @@ def swap_rewrite(
         found = [(m, p) for p in own] + [(getattr(m, c), p) for c, p in twins if getattr(m, c, None) is not None]
         return [p.fused(a) if unfusing else p.unfused(a) for a, p in found]
 
+    converters = [(c, f) for c, f in children.items() if not isinstance(f, Processors)]
+
+    def converts(m: nn.Module, unfusing: bool) -> bool:
+        # a module with neither leaves nor processors (only its q/k norms swap) is told by what its children's
+        # converters would change
+        return any(f(getattr(m, c), unfusing) is not getattr(m, c) for c, f in converters
+                   if getattr(m, c, None) is not None)
+
+    told_by_children = not leaves and processors is None and not twins
+
     def fused(m: nn.Module) -> bool:
         if leaves:
             return all(leaf.fused(m) for leaf in leaves)
-        return any(processor_forms(m, True))
+        return converts(m, True) if told_by_children else any(processor_forms(m, True))
 
     def unfused(m: nn.Module) -> bool:
         if leaves:
             return all(leaf.unfused(m) for leaf in leaves)
+        if told_by_children:
+            return not converts(m, True) and converts(m, False)
         return not any(processor_forms(m, True)) and any(processor_forms(m, False))
 
     def slices(m: nn.Module) -> list[Slice]:
         return [s for leaf in leaves for s in leaf.slices(m)]
 
     def build(m: nn.Module, unfusing: bool) -> nn.Module:
-        replace = {leaf.name: leaf.other_form(m) for leaf in leaves}
+        replace = {}
+        for leaf in leaves:
+            head, _, rest = leaf.name.partition(".")
+            replace[head] = within(getattr(m, head), rest, leaf.other_form(m)) if rest else leaf.other_form(m)
         for child, convert in children.items():
             if getattr(m, child, None) is not None:
                 convert = convert.swapped if isinstance(convert, Processors) else convert

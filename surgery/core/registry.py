@@ -92,6 +92,10 @@ class Tests:
     # a lower precision the stock forward rounds to even in float32 (Kandinsky 5's rotary casts q/k to bfloat16, and
     # so their gradients): sharded and whole gradients then agree to that precision only, not float32's
     rounds_to: torch.dtype | None = None
+    # the diffusers attention backend (`AttentionBackendName` value, e.g. "native") the gradient checks compute the
+    # model's `flex` attention with, where its stock processor dispatches to `flex`, which has no backward on CPU
+    # (torch 2.13): its `BlockMask` made dense (`surgery.testing.flex_as`). The forward is checked with both kernels.
+    flex_backward: str | None = None
 
 
 @dataclass(frozen=True, repr=False)

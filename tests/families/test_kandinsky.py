@@ -49,21 +49,27 @@ class Kandinsky5Names(unittest.TestCase):
                               "key_norm": SequenceParallel})
 
     def test_a_stock_processor_reshaping_by_num_heads_runs_on_dtensors(self):
-        # Kandinsky 6 SR: the same attention spelling, no registered family, so nothing twins its processor; its
-        # `unflatten(-1, (attn.num_heads, -1))` would cut each rank's heads into num_heads pieces on local tensors, so
-        # it runs on DTensor q/k/v (global shapes) instead
-        from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRTransformer3DModel
+        # Kandinsky 6 SR: the same attention spelling; with no rewrite to twin its processor (its family's taken away
+        # here), its `unflatten(-1, (attn.num_heads, -1))` would cut each rank's heads into num_heads pieces on local
+        # tensors, so it runs on DTensor q/k/v (global shapes) instead
+        from unittest import mock
 
+        from diffusers.models.transformers.transformer_kandinsky6_sr import (Kandinsky6SRAttention,
+                                                                             Kandinsky6SRTransformer3DModel)
+
+        from surgery.core import registry
         from surgery.parallel.derive import runs_on_dtensors
 
-        with torch.device("meta"):
+        others = [r for r in registry._registry if r.fused is not Kandinsky6SRAttention]
+        with torch.device("meta"), mock.patch.object(registry, "_registry", others):
             model = Kandinsky6SRTransformer3DModel(in_visual_dim=4, out_visual_dim=4, time_dim=16, model_dim=32,
                                                    ff_dim=64, num_visual_blocks=1, axes_dims=(2, 2, 4))
         attentions = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
         self.assertTrue(attentions)
         self.assertTrue(all(runs_on_dtensors(m) for m in attentions))
-        with fake_process_group(2):
+        with fake_process_group(2), mock.patch.object(registry, "_registry", others):
             surgery.tensor_parallel(surgery.unfuse(model), init_device_mesh("cpu", (2,)), src_data_rank=None)
+        self.assertTrue(all(runs_on_dtensors(m) for m in attentions))  # stock processors: nothing twinned them
         # Kandinsky 5's stock model (its family registered): refused as not yet unfused
         family = surgery.extend.families()["kandinsky5"]
         with fake_process_group(2):
