@@ -82,10 +82,12 @@ def test_on_stock_skips_for_stock_refusals_only():
 def steps(family, config, n: int = 4):
     """Keyword arguments of `n` denoising-like calls: the latents drift, the timestep falls."""
     kw = W.inputs(family, config, 0)
-    # the latents: `hidden_states`, Z-Image's `x` (a list, one latent per sample) or T5FilmDecoder's
-    # `decoder_input_tokens`; the timestep: `timestep`, `t` or `decoder_noise_time`
-    latent = next(k for k in ("hidden_states", "x", "decoder_input_tokens") if k in kw)
-    time = next((k for k in ("timestep", "t", "decoder_noise_time") if k in kw), None)
+    # the latents: `hidden_states`, Z-Image's `x` or Cosmos 3's `vision_tokens` (lists, one latent per item),
+    # T5FilmDecoder's `decoder_input_tokens` or MiniMax Music 3's depth decoder's `inputs_embeds`; the timestep:
+    # `timestep`, `t`, `decoder_noise_time` or `vision_timesteps`
+    latent = next(k for k in ("hidden_states", "x", "vision_tokens", "decoder_input_tokens", "inputs_embeds")
+                  if k in kw)
+    time = next((k for k in ("timestep", "t", "decoder_noise_time", "vision_timesteps") if k in kw), None)
     latents = kw[latent] if isinstance(kw[latent], list) else [kw[latent]]
     generator = torch.Generator().manual_seed(7)
     noise = [torch.randn(x.shape, generator=generator) for x in latents]
