@@ -147,6 +147,44 @@ QWEN3_VL_8B = (
     ),
 )
 
+# Qwen/Qwen3-VL-4B-Instruct config.json. Krea 2 (`Qwen3VLModel`, named in its pipeline's docstring: its transformer's
+# text_hidden_dim, 2560, is this hidden size, and its 12 taps reach layer 35 of 36) and Bria-Fibo 2.0
+# (`Qwen3VLForConditionalGeneration`: cap_feat_dim 7680 = 3 taps x 2560, up to layer 35)
+_QWEN3_VL_4B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rope_parameters=dict(rope_type="default", rope_theta=5000000.0, mrope_section=[24, 20, 20],
+                                          mrope_interleaved=True), tie_word_embeddings=True),
+    vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                       deepstack_visual_indexes=[5, 11, 17], num_position_embeddings=2304),
+    tie_word_embeddings=True,
+)
+QWEN3_VL_4B_MODEL = ("transformers.Qwen3VLModel", "transformers.Qwen3VLConfig", _QWEN3_VL_4B)
+QWEN3_VL_4B = ("transformers.Qwen3VLForConditionalGeneration", "transformers.Qwen3VLConfig", _QWEN3_VL_4B)
+# Qwen3-VL-8B's `Qwen3VLModel` (Ideogram 4 runs `text_encoder.language_model`'s layers: llm_features_dim 53248 = its
+# 13 taps x 4096)
+QWEN3_VL_8B_MODEL = ("transformers.Qwen3VLModel", "transformers.Qwen3VLConfig", QWEN3_VL_8B[2])
+
+# google-t5/t5-base config.json (Stable Audio Open's text_encoder, named in its pipeline's docstring; its
+# transformer's cross_attention_input_dim is 768): the original T5, one ReLU `wi`
+T5_BASE = ("transformers.T5EncoderModel", "transformers.T5Config",
+           dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12, num_heads=12,
+                feed_forward_proj="relu", relative_attention_num_buckets=32))
+
+# google/umt5-base config.json (LongCat-AudioDiT's text_encoder is a UMT5EncoderModel; its transformer's
+# dit_text_dim, 768, is umt5-base's width)
+UMT5_BASE = ("transformers.UMT5EncoderModel", "transformers.UMT5Config",
+             dict(vocab_size=256384, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_heads=12,
+                  feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, tie_word_embeddings=False))
+
+# Qwen/Qwen3-Embedding-0.6B config.json (ACE-Step 1.5's text_encoder, named in its pipeline's docstring; its
+# condition encoder's text_hidden_dim is 1024)
+QWEN3_EMBEDDING_06B = ("transformers.Qwen3Model", "transformers.Qwen3Config",
+                       dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=32768, tie_word_embeddings=True))
+
 # Qwen2.5-VL-7B's text model alone (HunyuanVideo-1.5's text_encoder: Qwen2_5_VLTextModel)
 QWEN25_VL_7B_TEXT = ("transformers.Qwen2_5_VLTextModel", "transformers.Qwen2_5_VLTextConfig",
                      QWEN25_VL_7B[2]["text_config"])
@@ -228,6 +266,16 @@ BY_TRANSFORMER: dict[str, dict] = {
     "CogVideoXTransformer3DModel": {"pipeline": "CogVideoXPipeline", "text_encoder": T5_XXL},
     "PixArtTransformer2DModel": {"pipeline": "PixArtSigmaPipeline", "text_encoder": T5_XXL},
     "CosmosTransformer3DModel": {"pipeline": "Cosmos2TextToImagePipeline", "text_encoder": T5_11B},
+    "Krea2Transformer2DModel": {"pipeline": "Krea2Pipeline", "text_encoder": QWEN3_VL_4B_MODEL},
+    "Ideogram4Transformer2DModel": {"pipeline": "Ideogram4Pipeline", "text_encoder": QWEN3_VL_8B_MODEL},
+    "JoyImageEditTransformer3DModel": {"pipeline": "JoyImageEditPipeline", "text_encoder": QWEN3_VL_8B},
+    "JoyImageEditPlusTransformer3DModel": {"pipeline": "JoyImageEditPlusPipeline", "text_encoder": QWEN3_VL_8B},
+    "BriaFibo2Transformer2DModel": {"pipeline": "BriaFibo2Pipeline", "text_encoder": QWEN3_VL_4B},
+    "Kandinsky6Transformer3DModel": {"pipeline": "Kandinsky6TI2VAPipeline", "text_encoder": QWEN25_VL_7B,
+                                     "text_encoder_2": CLIP_L},
+    "StableAudioDiTModel": {"pipeline": "StableAudioPipeline", "text_encoder": T5_BASE},
+    "AceStepTransformer1DModel": {"pipeline": "AceStepPipeline", "text_encoder": QWEN3_EMBEDDING_06B},
+    "LongCatAudioDiTTransformer": {"pipeline": "LongCatAudioDiTPipeline", "text_encoder": UMT5_BASE},
 }
 PIPELINES.update(BY_TRANSFORMER)
 PIPELINES["qwen-image-2.1"] = {"pipeline": "QwenImage21Pipeline", "text_encoder": QWEN3_VL_8B}
@@ -241,8 +289,12 @@ SOURCES = (
     "and Lumina2, Gemma-3-12B for LTX-2, GLM-4-9B for CogView4, T5Gemma-2B-2B's encoder for PRX, Qwen2.5-VL-7B's "
     "text model and byT5-small for HunyuanVideo-1.5, CLIP-L/bigG with projections and T5-XXL for SD3/3.5 and "
     "HiDream (plus Llama-3.1-8B-Instruct), Qwen3-4B for Z-Image, Qwen2.5-VL-7B and CLIP-L for Kandinsky 5, "
-    "T5-XXL for LTX-Video, Mochi, CogVideoX and PixArt, T5-11B for Cosmos, Qwen3-VL-8B for QwenImage-2.1), written "
-    "from those files, not downloaded here. VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
+    "T5-XXL for LTX-Video, Mochi, CogVideoX and PixArt, T5-11B for Cosmos, Qwen3-VL-8B for QwenImage-2.1, "
+    "JoyImage-Edit (+Plus) and Ideogram 4, Qwen3-VL-4B for Krea 2 and Bria-Fibo 2.0, Qwen2.5-VL-7B and CLIP-L for "
+    "Kandinsky 6, T5-base for Stable Audio Open, Qwen3-Embedding-0.6B for ACE-Step 1.5, UMT5-base for "
+    "LongCat-AudioDiT; each new one checked against its transformer's text input width, as noted beside it), written "
+    "from those files, not downloaded here. Stable Audio 3's T5Gemma-B encoder is not recorded (its config.json could "
+    "not be read here). VAEs: diffusers 0.42.1's class defaults (FLUX.1's 16-channel AutoencoderKL from "
     "black-forest-labs/FLUX.1-dev vae/config.json). HunyuanImage's and Bria-Fibo's VAEs (their classes have no defaults), Ovis-Image, and Motif-Video "
     "(T5Gemma2) are not recorded."
 )

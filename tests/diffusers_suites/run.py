@@ -114,7 +114,18 @@ FILES = {
     "lumina2": {"model": ["tests/models/transformers/test_models_transformer_lumina2.py"]},
     "mochi": {"model": ["tests/models/transformers/test_models_transformer_mochi.py"]},
     "kandinsky5": {"pipeline": ["tests/pipelines/kandinsky5/test_kandinsky5.py"]},
+    "krea2": {"model": ["tests/models/transformers/test_models_transformer_krea2.py"],
+              "pipeline": ["tests/pipelines/krea2/test_krea2.py"]},
+    "ideogram4": {"model": ["tests/models/transformers/test_models_transformer_ideogram4.py"]},
+    "joyimage-edit": {"model": ["tests/models/transformers/test_models_transformer_joyimage.py"]},
+    "joyimage-edit-plus": {"model": ["tests/models/transformers/test_models_transformer_joyimage_edit_plus.py"]},
+    "minimax-h3": {"model": ["tests/models/transformers/test_models_transformer_minimax_h3.py"]},
+    "prx": {"model": ["tests/models/transformers/test_models_transformer_prx.py"]},
+    "stable-audio-3": {"model": ["tests/models/transformers/test_models_transformer_stable_audio3.py"]},
+    "stable-audio": {"pipeline": ["tests/pipelines/stable_audio/test_stable_audio.py"]},
+    "longcat-audio-dit": {"model": ["tests/models/transformers/test_models_transformer_longcat_audio_dit.py"]},
     # plans-only families: `unfuse` changes no module, so both runs must agree exactly (a check of the plugin)
+    "ace-step": {"model": ["tests/models/transformers/test_models_transformer_ace_step.py"]},
     "qwen-image": {
         "model": ["tests/models/transformers/test_models_transformer_qwenimage.py"],
         "pipeline": ["tests/pipelines/qwenimage/test_qwenimage.py"],

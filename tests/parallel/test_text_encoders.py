@@ -252,7 +252,9 @@ class PipelinePlan(unittest.TestCase):
             "GLM4_9B": "num_key_value_heads=2", "QWEN25_VL_7B_TEXT": "num_attention_heads=28",
             "QWEN25_VL_7B": "num_attention_heads=28", "CLIP_L_PROJECTION": "num_attention_heads=12",
             "CLIP_L": "num_attention_heads=12", "CLIP_G_PROJECTION": "num_attention_heads=20",
-            "BYT5_SMALL": "num_heads=6",
+            "BYT5_SMALL": "num_heads=6", "T5_BASE": "num_heads=12", "UMT5_BASE": "num_heads=12",
+            # its vocabulary (transformers' plan shards the embedding by rows) is 151669 = 7 x 47 x 461
+            "QWEN3_EMBEDDING_06B": "'embed_tokens' has 151669 output features",
         }
         specs = {name: spec for name, spec in vars(P).items() if isinstance(spec, tuple) and len(spec) == 3
                  and any(spec is c for entry in P.BY_TRANSFORMER.values() for c in entry.values())}

@@ -95,13 +95,13 @@ def t5_plain(seed: int = 0):
 ENCODERS = {
     "mistral3": (mistral3, "Flux2Pipeline (FLUX.2-dev)"),
     "qwen3_causal": (qwen3_causal, "Flux2KleinPipeline"),
-    "qwen3_model": (qwen3_model, "OvisImagePipeline"),
-    "qwen25_vl": (qwen25_vl, "QwenImagePipeline, LongCatImagePipeline, HunyuanImagePipeline"),
+    "qwen3_model": (qwen3_model, "OvisImagePipeline, AceStepPipeline (Qwen3-Embedding)"),
+    "qwen25_vl": (qwen25_vl, "QwenImagePipeline, LongCatImagePipeline, HunyuanImagePipeline, Kandinsky6TI2VAPipeline"),
     "llama": (llama, "HunyuanVideoPipeline"),
     "llava": (llava, "HunyuanVideoImageToVideoPipeline"),
     "smollm3": (smollm3, "BriaFiboPipeline"),
     "t5": (t5, "FluxPipeline, ChromaPipeline, BriaPipeline, HunyuanImagePipeline (byT5)"),
-    "t5_plain": (t5_plain, "T5 v1.0 MLP"),
+    "t5_plain": (t5_plain, "T5 v1.0 MLP: StableAudioPipeline (t5-base)"),
 }
 
 
@@ -238,6 +238,11 @@ def qwen3_vl(seed: int = 0, **text):
                    seed)
 
 
+def qwen3_vl_model(seed: int = 0, **text):
+    """The model without its language head (Krea 2 and Ideogram 4 hold `Qwen3VLModel`)."""
+    return qwen3_vl(seed, **text).model
+
+
 def qwen25_vl_text(seed: int = 0, **text):
     from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
@@ -255,14 +260,16 @@ def llama_causal(seed: int = 0, **text):
 
 # name -> (builder, pipelines holding that class)
 DIT_ENCODERS = {
-    "umt5": (umt5, "WanPipeline (and Wan's I2V, VACE, Animate), SkyReelsV2Pipeline"),
-    "clip": (clip, "Kandinsky5T2VPipeline (text_encoder_2), FluxPipeline, HunyuanVideoPipeline"),
+    "umt5": (umt5, "WanPipeline (and Wan's I2V, VACE, Animate), SkyReelsV2Pipeline, LongCatAudioDiTPipeline"),
+    "clip": (clip, "Kandinsky5T2VPipeline and Kandinsky6TI2VAPipeline (text_encoder_2), FluxPipeline, "
+                   "HunyuanVideoPipeline"),
     "clip_projection": (clip_projection, "StableDiffusion3Pipeline, HiDreamImagePipeline (CLIP-L and bigG)"),
     "gemma2": (gemma2, "SanaPipeline, Lumina2Pipeline"),
     "gemma3": (gemma3, "LTX2Pipeline"),
     "glm": (glm, "CogView4Pipeline"),
     "t5gemma": (t5gemma, "PRXPipeline"),
-    "qwen3_vl": (qwen3_vl, "QwenImage21Pipeline"),
+    "qwen3_vl": (qwen3_vl, "QwenImage21Pipeline, JoyImageEdit(Plus)Pipeline, BriaFibo2Pipeline"),
+    "qwen3_vl_model": (qwen3_vl_model, "Krea2Pipeline, Ideogram4Pipeline"),
     "qwen25_vl_text": (qwen25_vl_text, "HunyuanVideo15Pipeline"),
     "llama_causal": (llama_causal, "HiDreamImagePipeline (text_encoder_4)"),
 }
