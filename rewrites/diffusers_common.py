@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from surgery.core.errors import SurgeryError
 from surgery.core.leaves import Leaf, recast
 from surgery.core.slicing import row_slices
+from surgery.core.split_projection import SplitLeaf
 from surgery.extend import (
     Family, Processors, Rewrite, TensorParallel, Tests, columns, derived_family, register_edits, rows, swap_rewrite,
 )
@@ -378,8 +379,9 @@ GEGLU_ROWS = swap_rewrite("diffusers_common.geglu: hidden and gate rows", GEGLU,
 
 
 def _unsplit(ff: nn.Module) -> bool:
-    """A feed-forward whose `net.0.proj` is one Linear; a split one (GEGLU's rows) is derived instead."""
-    return isinstance(getattr(ff.net[0], "proj", None), nn.Linear)
+    """A feed-forward whose `net.0.proj` is not split into rows (GEGLU's, derived instead). Told by the split, not by
+    `nn.Linear`: PEFT's LoRA layer wrapping a plain `proj` is no `nn.Linear`, and its feed-forward keeps this plan."""
+    return not isinstance(getattr(ff.net[0], "proj", None), SplitLeaf)
 
 
 FAMILY = Family(

@@ -80,9 +80,14 @@ class SurgeryFamilies(unittest.TestCase):
         self.assertEqual(out.getvalue(), surgery_cli.listing() + "\n")
 
     def test_rebuild_plans_each_class_anew(self):
+        from surgery.core import registry
+
         classes = [diffusers.WanTransformer3DModel, diffusers.AnyFlowFARTransformer3DModel]
         out = io.StringIO()
-        with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out):
+        # AnyFlow-FAR's family taken away: a class that plans but that no registered family proves
+        unregistered = {k: v for k, v in registry._families.items() if k != "anyflow-far"}
+        with mock.patch.object(coverage, "transformer_classes", return_value=classes), contextlib.redirect_stdout(out), \
+                mock.patch.dict(registry._families, unregistered, clear=True):
             self.assertEqual(cli.main(["families", "--rebuild"]), 0)
         rows = out.getvalue().splitlines()
         wan = W.families()["wan"]
@@ -90,7 +95,7 @@ class SurgeryFamilies(unittest.TestCase):
         # across heads (2), and the feed-forward's output (1)
         self.assertEqual(rows[2], f"| WanTransformer3DModel | wan | sharded | {wan.tp.all_reduces(wan.config())} "
                                   "| WanTransformerBlock 7 |  |  |")
-        # its processor reads the head count: it plans on DTensors, but no family registers it, so nothing proved it
+        # it plans (on DTensors or its twin), but no family registers it, so nothing proved it
         self.assertTrue(rows[3].startswith("| AnyFlowFARTransformer3DModel |  | planned, unproven | "), rows[3])
 
     def test_a_world_without_rebuild_is_a_usage_error(self):

@@ -83,11 +83,12 @@ def steps(family, config, n: int = 4):
     """Keyword arguments of `n` denoising-like calls: the latents drift, the timestep falls."""
     kw = W.inputs(family, config, 0)
     # the latents: `hidden_states`, Z-Image's `x` or Cosmos 3's `vision_tokens` (lists, one latent per item),
-    # T5FilmDecoder's `decoder_input_tokens` or MiniMax Music 3's depth decoder's `inputs_embeds`; the timestep:
-    # `timestep`, `t`, `decoder_noise_time` or `vision_timesteps`
-    latent = next(k for k in ("hidden_states", "x", "vision_tokens", "decoder_input_tokens", "inputs_embeds")
+    # T5FilmDecoder's `decoder_input_tokens`, MiniMax Music 3's depth decoder's `inputs_embeds` or RFD4's backbone
+    # `bb_ca`; the timestep: `timestep`, `t`, `decoder_noise_time`, `vision_timesteps` or `bb_ca_time`
+    latent = next(k for k in ("hidden_states", "x", "vision_tokens", "decoder_input_tokens", "inputs_embeds", "bb_ca")
                   if k in kw)
-    time = next((k for k in ("timestep", "t", "decoder_noise_time", "vision_timesteps") if k in kw), None)
+    time = next((k for k in ("timestep", "t", "decoder_noise_time", "vision_timesteps", "bb_ca_time") if k in kw),
+                None)
     latents = kw[latent] if isinstance(kw[latent], list) else [kw[latent]]
     generator = torch.Generator().manual_seed(7)
     noise = [torch.randn(x.shape, generator=generator) for x in latents]
