@@ -321,9 +321,11 @@ def plan(model: str | dict, tp: int, *, family: Family | None = None, dtype: tor
             inputs = family.example_inputs(config, batch=batch, image_tokens=image_tokens, text_tokens=text_tokens,
                                            dtype=dtype, device="meta")
             collectives = collectives_by_block(model, **inputs)
-        # a forward reading values back on meta, or needing a package diffusers imports only where present
-        # (Cosmos' padding mask: torchvision, a NameError when missing)
-        except (SurgeryError, NotImplementedError, RuntimeError, NameError, ImportError) as error:
+        # a forward reading values back on meta, needing a package diffusers imports only where present (Cosmos'
+        # padding mask: torchvision, a NameError when missing), a kernel refusing meta tensors (flex attention: a
+        # ValueError, AnyFlow-FAR), or published features reading inputs the family's example inputs (made for its
+        # test config) do not carry (RFD4's `token_type`: a KeyError)
+        except (SurgeryError, NotImplementedError, RuntimeError, NameError, ImportError, ValueError, KeyError) as error:
             collectives = _declared_collectives(family, config, error)
     sharded = [r for r in layout if r["sharded"]]
     heads = getattr(model.config, "num_attention_heads", None) if hasattr(model, "config") else None
