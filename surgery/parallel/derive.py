@@ -22,6 +22,7 @@ import inspect
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
@@ -112,6 +113,108 @@ class PerHeadParameters(ParallelStyle):
                 placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
                 module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         return module
+
+
+class DepthwiseChannels(ParallelStyle):
+    """A depthwise convolution module (one filter per channel: SANA-WM's temporal short convolutions over q/k/v)
+    whose channels are the attention width of a rank's share of the heads: its parameters `Shard(0)` (its filters of
+    those channels), its first input this rank's columns as a `Shard(-1)` DTensor, its output local again. The stock
+    forward runs on DTensors, its convolution on each rank's own channels (`register_depthwise_convolution`): no
+    collective."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        register_depthwise_convolution()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for key, param in list(mod.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
+                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        def inputs(mod, args, mesh):
+            first, *rest = args
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, mesh, (Shard(-1),), run_check=False)
+            return (first, *rest)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, mesh, partition, inputs, outputs)
+
+
+@functools.cache
+def register_depthwise_convolution() -> None:
+    """DTensor convolves with the weight whole (torch's handler shards the batch or the width of an image, with halo
+    exchange); a depthwise convolution (`groups` = channels, one filter each) over channel-sharded input `Shard(1)`
+    with its weight `Shard(0)` is each rank's own channels, convolved with its own filters and `groups` = its own
+    channel count, forward and backward. Anything else goes to torch's handlers as before."""
+    aten = torch.ops.aten
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    stock_forward, stock_backward = handlers[aten.convolution.default], handlers[aten.convolution_backward.default]
+
+    def by_channels(x, weight, groups) -> bool:
+        return (isinstance(x, DTensor) and isinstance(weight, DTensor) and x.device_mesh.ndim == 1
+                and tuple(x.placements) == (Shard(1),) and tuple(weight.placements) == (Shard(0),)
+                and groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1)
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def wrap(t, mesh, placement):
+        return None if t is None else DTensor.from_local(t, mesh, (placement,), run_check=False)
+
+    def forward(op_call, args, kwargs):
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args
+        if not by_channels(x, weight, groups) or (bias is not None and tuple(bias.placements) != (Shard(0),)):
+            return stock_forward(op_call, args, kwargs)
+        out = op_call(local(x), local(weight), local(bias), stride, padding, dilation, transposed, output_padding,
+                      local(x).shape[1])
+        return wrap(out, x.device_mesh, Shard(1))
+
+    def backward(op_call, args, kwargs):
+        grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+        if not by_channels(x, weight, groups):
+            return stock_backward(op_call, args, kwargs)
+        mesh, channels = x.device_mesh, local(x).shape[1]
+        grad = grad.redistribute(mesh, (Shard(1),)) if isinstance(grad, DTensor) else grad
+        grads = op_call(local(grad), local(x), local(weight), None if bias_sizes is None else [channels], stride,
+                        padding, dilation, transposed, output_padding, channels, mask)
+        return tuple(wrap(g, mesh, p) for g, p in zip(grads, (Shard(1), Shard(0), Shard(0))))
+
+    handlers[aten.convolution.default] = forward
+    handlers[aten.convolution_backward.default] = backward
+
+
+class ColwiseIntoHeads(ColwiseParallel):
+    """`ColwiseParallel` whose output stays a heads-sharded DTensor (`use_local_output=False`), to meet a module's
+    `PerHeadParameters` (SANA-WM's `gate_proj` rows with `A_log` and `dt_bias`), its gradient made contiguous on the
+    way back: the forward may transpose it (the decay gate, `(batch, frames, heads)` -> `(batch, heads, frames)`), and
+    DTensor's Linear backward then views a transposed local shard, which torch 2.13 refuses. No collective."""
+
+    def __init__(self):
+        super().__init__(use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        if outputs.requires_grad:  # DTensor's `contiguous` reads the wrapper's strides, not the local shard's
+            outputs.register_hook(lambda grad: DTensor.from_local(grad.to_local().contiguous(), grad.device_mesh,
+                                                                  grad.placements, run_check=False))
+        return outputs
+
+
+class RowwiseIntoHeads(RowwiseParallel):
+    """`RowwiseParallel` whose all-reduced output each rank keeps only its own heads' columns of (a local slice, no
+    further collective): a Linear whose output is added to a heads-sharded activation before the output projection
+    (SANA-WM's camera branch, `out_proj_cam`, into the main branch's attention output). Its all-reduce is the
+    Rowwise one; a reduce-scatter would move half the bytes but is no all-reduce of the library's count."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        whole = outputs.redistribute(placements=output_layouts)
+        share = whole.redistribute(placements=(Shard(-1),))
+        return share.to_local() if use_local_output else share
 
 
 class RotaryAcrossWidth(ParallelStyle):
