@@ -27,7 +27,7 @@ import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from surgery.core.checks import mesh_sizes_dividing
@@ -202,6 +202,37 @@ class ColwiseIntoHeads(ColwiseParallel):
             outputs.register_hook(lambda grad: DTensor.from_local(grad.to_local().contiguous(), grad.device_mesh,
                                                                   grad.placements, run_check=False))
         return outputs
+
+
+class HeadsInputs(ParallelStyle):
+    """The positional arguments of a module that computes on a rank's share of the heads with plain tensors (SANA-WM's
+    recurrences, `attn` and `cam_attn`): at `local` positions a heads-sharded DTensor made before it (the decay gate)
+    enters as this rank's local heads; at `whole` positions tensors every rank holds whole (the UCPE ray transforms,
+    made of the camera conditions, or a tuple of them) enter as they are, their gradients, each rank's part from its
+    own heads, summed over the ranks on the way back (an all-reduce in backward only, where they need a gradient).
+    No collective in forward."""
+
+    def __init__(self, local: tuple[int, ...] = (), whole: tuple[int, ...] = ()):
+        super().__init__()
+        self.local, self.whole = local, whole
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def summed(tensor):
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor) or not tensor.requires_grad:
+                return tensor
+            return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(
+                grad_placements=(Partial(),))
+
+        def prepare(_, args):
+            args = list(args)
+            for i in self.local:
+                args[i] = args[i].to_local() if isinstance(args[i], DTensor) else args[i]
+            for i in self.whole:
+                args[i] = type(args[i])(map(summed, args[i])) if isinstance(args[i], (tuple, list)) else summed(args[i])
+            return tuple(args)
+
+        module.register_forward_pre_hook(prepare)
+        return module
 
 
 class RowwiseIntoHeads(RowwiseParallel):
