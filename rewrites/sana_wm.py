@@ -36,6 +36,7 @@ import math
 import torch
 from diffusers.models.transformers.transformer_sana_wm import (
     BidirectionalGDNUCPESinglePathLiteLA,
+    GLUMBConvTemp,
     MultiHeadCrossAttention,
     SanaVideoMSCamCtrlBlock,
     SanaWMCrossAttnProcessor,
@@ -51,7 +52,7 @@ from surgery.extend import Processors, TensorParallel, Tests, derived_family, re
 from surgery.parallel.derive import (
     AcrossHeadsNorm, ColwiseIntoHeads, DepthwiseChannels, HeadsInputs, PerHeadParameters, RowwiseIntoHeads,
 )
-from surgery_rewrites.diffusers_common import cast_inputs, qkv_rows
+from surgery_rewrites.diffusers_common import CONV_FEED_FORWARD, cast_inputs, qkv_rows
 
 # the heads read off the tensors, never the stored counts: the same code runs whole and on a rank's share
 _BY_WIDTH = (
@@ -166,6 +167,12 @@ def sana_wm_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_to
     return {**cast_inputs(inputs, dtype, device), "encoder_attention_mask": mask.to(device)}
 
 
+# 4 heads of 24 (worlds 2 and 4 split them; a camera head splits into 4x4 ray blocks and rotary halves), two blocks:
+# the first gated-delta, the second softmax (softmax_every_n=2)
+_TINY = dict(in_channels=4, num_layers=2, hidden_size=96, num_attention_heads=4, linear_head_dim=24, softmax_every_n=2,
+             caption_channels=16, mlp_ratio=2.0, chunk_plucker_channels=8, chunk_plucker_post_attn_blocks=2)
+
+
 FAMILY = derived_family(
     "sana-wm", SanaWMTransformer3DModel,
     rewrites=REWRITES,
@@ -181,7 +188,8 @@ FAMILY = derived_family(
                MultiHeadCrossAttention: CROSS_ATTENTION_TP_PLAN},
         checks={HeadDimGDNAttention: check_heads, HeadDimSoftmaxAttention: check_heads,
                 MultiHeadCrossAttention: check_heads},
-        replicated={SanaVideoMSCamCtrlBlock: {
+        replicated={GLUMBConvTemp: {"*conv*": CONV_FEED_FORWARD + " (its temporal conv too)"},
+                    SanaVideoMSCamCtrlBlock: {
             "plucker_proj": "the camera's Plucker embedding into the residual stream (every rank holds it whole): "
                             "sharded, it would cost an all-reduce per block"}},
     ),
@@ -190,10 +198,8 @@ FAMILY = derived_family(
         # casts q/k/v: "SDPA / FlashAttention only supports bf16/fp16"), so the gradients of everything before them
         # agree to bfloat16's precision only (measured: 2.2e-4 at world 2; the forward to 4e-7)
         rounds_to=torch.bfloat16,
-        # 4 heads of 24 (worlds 2 and 4 split them; the UCPE camera head splits into 4x4 ray blocks and rotary
-        # halves), two blocks: the first gated-delta, the second softmax (softmax_every_n=2)
-        configs={"tiny": dict(in_channels=4, num_layers=2, hidden_size=96, num_attention_heads=4,
-                              linear_head_dim=24, softmax_every_n=2, caption_channels=16, mlp_ratio=2.0,
-                              chunk_plucker_channels=8, chunk_plucker_post_attn_blocks=2)},
+        configs={"tiny": _TINY,
+                 # gated-delta blocks only, all float32: tests/families/test_sana_wm.py holds it to float32's bounds
+                 "gdn_tiny": {**_TINY, "softmax_every_n": 0}},
     ),
 )

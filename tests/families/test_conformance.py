@@ -249,8 +249,10 @@ class FullSize(unittest.TestCase):
 def head_counts(module: torch.nn.Module) -> list[int]:
     """An attention's query heads and its key projection's heads (fewer under grouped-query attention)."""
     heads, query = head_count(module), query_projection(module)
-    if heads is None or query is None:
+    if heads is None:
         return []
+    if query is None:  # projections named the model's own way (SANA-WM's `qkv`, `q_linear`): its heads as stored
+        return [heads]
     key = next((k for k in (getattr(module, name, None) for name in KEYS) if isinstance(k, torch.nn.Linear)), None)
     return [heads] + ([key.out_features // (query.out_features // heads)] if key is not None else [])
 
