@@ -24,7 +24,7 @@ the heads exactly:
   gate: rowwise, all-reduced, each rank keeping its heads' columns (`RowwiseIntoHeads`).
 
 Per block: the q/k norms of both branches (4) and of the cross attention (2), `out_proj_cam`, `proj` and the cross
-attention's `proj`: 9 all-reduces (7 without camera conditions). The feed-forward (`GLUMBConvTemp`, Conv2d) stays
+attention's `proj`: 9 all-reduces (6 without camera conditions). The feed-forward (`GLUMBConvTemp`, Conv2d) stays
 whole as Sana's does; so does `plucker_proj` (the camera's Plucker embedding into the residual stream: sharding it
 would add an all-reduce per block for one hidden x hidden Linear).
 """

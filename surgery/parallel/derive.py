@@ -66,6 +66,18 @@ def per_head_norm(head_dim: int = 2) -> SequenceParallel:
     return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
 
 
+def rows_sharded(src_data_rank: int | None):
+    """`distribute_module`'s partition: each module's own parameters not yet placed `Shard(0)`."""
+
+    def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(mod.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=src_data_rank)
+                mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    return partition
+
+
 class AcrossHeadsNorm(ParallelStyle):
     """A norm over the whole attention width on a rank that holds a share of the heads: its weight (and bias)
     `Shard(0)`, its input this rank's columns as a `Shard(-1)` DTensor, its output local again (a DTensor with
@@ -80,12 +92,6 @@ class AcrossHeadsNorm(ParallelStyle):
         self.statistics = statistics
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for key, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
-                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
-
         def inputs(mod, args, mesh):
             return tuple(DTensor.from_local(a, mesh, (Shard(-1),), run_check=False) if not isinstance(a, DTensor)
                          else a for a in args)
@@ -93,7 +99,7 @@ class AcrossHeadsNorm(ParallelStyle):
         def outputs(mod, out, mesh):
             return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
-        return distribute_module(module, mesh, partition, inputs, outputs)
+        return distribute_module(module, mesh, rows_sharded(self.src_data_rank), inputs, outputs)
 
 
 class PerHeadParameters(ParallelStyle):
@@ -125,12 +131,6 @@ class DepthwiseChannels(ParallelStyle):
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         register_depthwise_convolution()
 
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for key, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
-                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
-
         def inputs(mod, args, mesh):
             first, *rest = args
             if not isinstance(first, DTensor):
@@ -140,7 +140,7 @@ class DepthwiseChannels(ParallelStyle):
         def outputs(mod, out, mesh):
             return out.to_local() if isinstance(out, DTensor) else out
 
-        return distribute_module(module, mesh, partition, inputs, outputs)
+        return distribute_module(module, mesh, rows_sharded(self.src_data_rank), inputs, outputs)
 
 
 @functools.cache
