@@ -343,3 +343,38 @@ class AllReduces(unittest.TestCase):
             # feed-forward on both streams): the exact number is what the conformance world-2 job measures
             self.assertGreaterEqual(family.tp.all_reduces(config), read)
             self.assertLessEqual(family.tp.all_reduces(config), 2 * read)
+
+
+class DepthwiseChannelsStyle(unittest.TestCase):
+    """`DepthwiseChannels`: a depthwise convolution over a heads-sharded width computes each rank's channels with its
+    own filters, forward and backward, with no collective (on torch's fake process group, rank 1 of 2: the values
+    need no other rank)."""
+
+    def test_rank_convolves_its_own_channels(self):
+        from diffusers.models.transformers.transformer_sana_wm import SanaWMTemporalShortConvolution
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from surgery.parallel.derive import DepthwiseChannels
+        from surgery.parallel.distributed import fake_process_group
+        from surgery.testing import CollectiveCounter, rel_err
+
+        torch.manual_seed(0)
+        whole = SanaWMTemporalShortConvolution(hidden_size=8, kernel_size=3)
+        torch.nn.init.normal_(whole.weight)
+        x = torch.randn(2, 3 * 4, 8, requires_grad=True)  # 3 frames of 4 tokens, 8 channels
+        expected = whole(x, 3)
+        (expected * torch.arange(8.0)).sum().backward()
+        with fake_process_group(2, rank=1):
+            conv = parallelize_module(SanaWMTemporalShortConvolution(8, 3), init_device_mesh("cpu", (2,)),
+                                      DepthwiseChannels())
+            with torch.no_grad():
+                conv.weight.to_local().copy_(whole.weight[4:])
+            share = x.detach()[..., 4:].clone().requires_grad_(True)
+            with CollectiveCounter() as counter:
+                got = conv(share, 3)
+                (got * torch.arange(4.0, 8.0)).sum().backward()
+            self.assertEqual(counter.total, 0)
+            self.assertLessEqual(rel_err(got, expected[..., 4:]), 1e-6)
+            self.assertLessEqual(rel_err(share.grad, x.grad[..., 4:]), 1e-6)
+            self.assertLessEqual(rel_err(conv.weight.grad.to_local(), whole.weight.grad[4:]), 1e-6)
