@@ -10,8 +10,10 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(TESTS, "workers"), os.path.join(TESTS, "support")]
 
 # The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 ranks, published widths (on
-# meta too), the notebooks, torch.compile of every family. The README's command leaves them out (pyproject's addopts:
-# -m "not heavy"); CI runs them second, `python -m pytest -q tests -m heavy` (.ci/run). A case of a
+# meta too), the notebooks, torch.compile of every family, plan-only sweeps over every published variant. The README's
+# command leaves them out (pyproject's addopts: -m "not heavy"); CI runs them second (.ci/run). Both run in two
+# processes (pytest-xdist `-n 2 --dist loadfile`: a file's tests share one process, so a job cached for a file's tests
+# runs once). A case of a
 # `parameterized.expand` test whose `world` argument is 4 is marked here: parameterized's generated methods take no
 # decorator of their own.
 HEAVY_WORLD = 4
