@@ -75,7 +75,13 @@ class ImplicitReplication(ParallelStyle):
     DTensors (their gradients summed over ranks), so do the tensors it is called with (hidden states, rotary tables,
     masks: every rank holds them whole; a gradient they need comes back reduced), and while it runs the plain tensors
     it makes count as replicated, in its forward and in the backward of what its forward computed (`_enter`). No
-    collective of its own in forward."""
+    collective of its own in forward, except with `sum_output`: a module whose output is the ranks' partial sums (a
+    MoE layer: its routed and its shared experts' rowwise down projections, added up) hands it on resolved by one
+    all-reduce, as a plain tensor."""
+
+    def __init__(self, sum_output: bool = False):
+        super().__init__()
+        self.sum_output = sum_output
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         register_cpu_attention_sharding()
@@ -93,7 +99,14 @@ class ImplicitReplication(ParallelStyle):
         distribute_module(module, mesh, replicate)
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(lambda mod, args, out: _exit(), always_call=True)
+        if self.sum_output:
+            module.register_forward_hook(lambda mod, args, out: tree_map_only(DTensor, _summed, out))
         return module
+
+
+def _summed(tensor: DTensor) -> torch.Tensor:
+    """A module's DTensor output (partial sums) as the plain tensor every rank holds: one all-reduce."""
+    return tensor.redistribute(placements=[Replicate()] * tensor.device_mesh.ndim).to_local()
 
 
 @functools.cache
