@@ -32,7 +32,7 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import (
     NucleusMoELayer,
     SwiGLUExperts,
 )
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -106,6 +106,31 @@ def register_partial_scatter_add() -> None:
         return rules
 
 
+@functools.cache
+def register_plain_scatter_add_() -> None:
+    """The router sums each token's scores into a plain `torch.zeros` in place (`token_score_sums.scatter_add_(0,
+    indices, gating)`), its arguments replicated DTensors: DTensor dispatches an in-place op only on a DTensor `self`.
+    A DTensor op handler runs it on `self` taken as replicated (every rank holds the same zeros), in place as
+    diffusers wrote it, and returns `self`; no collective (all replicated)."""
+    op = torch.ops.aten.scatter_add_.default
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+
+    def handler(op_call, args, kwargs):
+        self, *rest = args
+        if not isinstance(self, DTensor):
+            mesh = next(a.device_mesh for a in rest if isinstance(a, DTensor))
+            placed = DTensor.from_local(self, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            args = (placed, *rest)
+        del handlers[op]  # DTensor's own dispatch, for this one call
+        try:
+            op_call(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+        return self
+
+    handlers[op] = handler
+
+
 class MoELayerStyle(ImplicitReplication):
     """`ImplicitReplication(sum_output=True)` that also gives `scatter_add` its partial-sum rule first."""
 
@@ -114,6 +139,7 @@ class MoELayerStyle(ImplicitReplication):
 
     def _apply(self, module: nn.Module, mesh) -> nn.Module:
         register_partial_scatter_add()
+        register_plain_scatter_add_()
         return super()._apply(module, mesh)
 
 
