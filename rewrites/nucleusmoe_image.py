@@ -15,13 +15,13 @@ expert's gate and up and the matching rows of its down projection, so each rank'
 sum: `silu(x G) * (x U)` is column-wise, so `sum_r [silu(x G_r) * (x U_r)] D_r = [silu(x G) * (x U)] D`. The
 layer's forward runs as diffusers wrote it, on DTensors (`ImplicitReplication`): the router, the top-k and the
 gathers on replicated values, the routed output a `Partial` DTensor times the replicated gating, scattered into the
-shared expert's `Partial` output (`scatter_add` is linear in both: a sharding rule registered here), and the sum
+shared expert's `Partial` output (`scatter_add` is linear in both: `surgery.parallel.dtensor_attention` gives DTensor
+that rule), and the sum
 resolved once at the layer's output: one all-reduce per MoE layer, as per dense feed-forward.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -32,14 +32,12 @@ from diffusers.models.transformers.transformer_nucleusmoe_image import (
     NucleusMoELayer,
     SwiGLUExperts,
 )
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor import Partial, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from surgery.core.leaves import recast, twin
 from surgery.extend import Rewrite, Slice, TensorParallel, Tests, derived_family, register_edits
-from surgery.parallel.dtensor_attention import ImplicitReplication
-from surgery.parallel.styles import ShardParameters
+from surgery.parallel.styles import ImplicitReplication, ShardParameters
 
 # each expert's fused gate/up product, read as its two halves' products
 _FUSED_GATE_UP = "gate, up = gate_up.chunk(2, dim=-1)"
@@ -88,61 +86,6 @@ EXPERTS = Rewrite(
 )
 
 
-@functools.cache
-def register_partial_scatter_add() -> None:
-    """DTensor's sharding rule for `scatter_add`, with the partial sums torch 2.13 lacks: `scatter_add(a, i, s)` is
-    linear in `(a, s)` together, so partial `a` and `s` with a replicated index give partial sums of the result (the
-    MoE layer's shared-expert output with the routed outputs scattered in). Otherwise as torch's own: all replicated,
-    or sharded alike on a dim other than the scatter dim (where the index spans it whole)."""
-
-    @register_sharding(torch.ops.aten.scatter_add.default)
-    def scatter_add(self, dim, index, src):
-        dim = dim % self.ndim
-        rules = [([Replicate()], [Replicate(), None, Replicate(), Replicate()]),
-                 ([Partial()], [Partial(), None, Replicate(), Partial()])]
-        for d in range(self.ndim):
-            if d != dim and index.shape[d] == self.shape[d] == src.shape[d]:
-                rules.append(([Shard(d)], [Shard(d), None, Shard(d), Shard(d)]))
-        return rules
-
-
-@functools.cache
-def register_plain_scatter_add_() -> None:
-    """The router sums each token's scores into a plain `torch.zeros` in place (`token_score_sums.scatter_add_(0,
-    indices, gating)`), its arguments replicated DTensors: DTensor dispatches an in-place op only on a DTensor `self`.
-    A DTensor op handler runs it on `self` taken as replicated (every rank holds the same zeros), in place as
-    diffusers wrote it, and returns `self`; no collective (all replicated)."""
-    op = torch.ops.aten.scatter_add_.default
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-
-    def handler(op_call, args, kwargs):
-        self, *rest = args
-        if not isinstance(self, DTensor):
-            mesh = next(a.device_mesh for a in rest if isinstance(a, DTensor))
-            placed = DTensor.from_local(self, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            args = (placed, *rest)
-        del handlers[op]  # DTensor's own dispatch, for this one call
-        try:
-            op_call(*args, **kwargs)
-        finally:
-            handlers[op] = handler
-        return self
-
-    handlers[op] = handler
-
-
-class MoELayerStyle(ImplicitReplication):
-    """`ImplicitReplication(sum_output=True)` that also gives `scatter_add` its partial-sum rule first."""
-
-    def __init__(self):
-        super().__init__(sum_output=True)
-
-    def _apply(self, module: nn.Module, mesh) -> nn.Module:
-        register_partial_scatter_add()
-        register_plain_scatter_add_()
-        return super()._apply(module, mesh)
-
-
 # The MoE layer: routed experts' gate/up columns and down rows, the shared expert's SwiGLU colwise and its down
 # projection rowwise, all left as DTensors; the layer's own style (last) replicates the router and resolves the sum.
 MOE_LAYER_TP_PLAN = {
@@ -150,7 +93,7 @@ MOE_LAYER_TP_PLAN = {
     "shared_expert.net.0.proj_up": ColwiseParallel(use_local_output=False),
     "shared_expert.net.0.proj_gate": ColwiseParallel(use_local_output=False),
     "shared_expert.net.2": RowwiseParallel(output_layouts=Partial(), use_local_output=False),
-    "": MoELayerStyle(),
+    "": ImplicitReplication(sum_output=True),
 }
 
 

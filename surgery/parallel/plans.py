@@ -35,7 +35,7 @@ from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
-from surgery.parallel.styles import ShardParameters
+from surgery.parallel.styles import ImplicitReplication, ShardParameters
 from surgery.parallel.transformers_plans import stock_plan
 
 Planned = list[tuple[str, nn.Module, dict]]
@@ -536,6 +536,9 @@ _STYLE_DEFAULTS = {
                                "desired_input_kwarg_layouts": None, "use_local_input": False,
                                "output_layouts": _REQUIRED, "desired_output_layouts": _REQUIRED,
                                "use_local_output": True},
+    # this library's two (surgery.parallel.styles): a module's own parameters, a stock forward run on DTensors
+    ShardParameters: {"placements": _REQUIRED},
+    ImplicitReplication: {"sum_output": False},
 }
 
 

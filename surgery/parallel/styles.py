@@ -1,4 +1,6 @@
-"""Stock styles the families share, and how a module's plan composes into its parent's.
+"""Stock styles the families share, how a module's plan composes into its parent's, and this library's two styles
+beside torch's: `ShardParameters` (a module's own parameters, which no stock style places: 3-D expert weights) and
+`ImplicitReplication` (a stock forward run on DTensors, `surgery.parallel.dtensor_attention`).
 
 The core defines the leaves (`surgery.core.split_projection`); how they are sharded is tensor parallelism's business
 and lives here, beside the rest of the plans (the core imports nothing from `surgery.parallel`).
@@ -12,6 +14,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, dis
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput, RowwiseParallel
 
 from surgery.core.split_projection import ATTN_PART, MLP_PART
+from surgery.parallel.dtensor_attention import ImplicitReplication
+
+# The styles of this library a plan may name beside torch's stock ones (a printed plan star-imports them from here)
+__all__ = ["ImplicitReplication", "ShardParameters"]
 
 
 def under(prefix: str, plan: dict) -> dict:
