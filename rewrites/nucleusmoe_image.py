@@ -126,10 +126,15 @@ def _tiny(**config) -> dict:
 FAMILIES = (
     derived_family(
         "nucleusmoe-image", NucleusMoEImageTransformer2DModel,
-        variants={"nucleusmoe-image": {}},
-        sources="diffusers 0.42.1 NucleusMoEImageTransformer2DModel defaults (its docstring's: 24 blocks, 16 heads "
-        "of 128, 128 experts 1344 wide, capacity 8, the first three and the last block dense), the config the "
-        "NucleusAI/NucleusMoE-Image pipeline example loads",
+        variants={"nucleusmoe-image": dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=32, attention_head_dim=128,
+            num_attention_heads=16, num_key_value_heads=4, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+            mlp_ratio=4.0, moe_enabled=True, dense_moe_strategy="leave_first_three_blocks_dense", num_experts=64,
+            moe_intermediate_dim=1344, capacity_factors=[0.0] * 3 + [4.0] * 2 + [2.0] * 27, use_sigmoid=False,
+            route_scale=2.5, use_grouped_mm=True)},
+        sources="Nucleus-Image transformer/config.json (as stored at huggingface.co/FenomAI/Nucleus-Image, written by "
+        "diffusers 0.38.0.dev0): 32 blocks, 16 query heads of 128 over 4 key/value heads, 64 experts 1344 wide, the "
+        "first three blocks dense, grouped GEMMs",
         default_variant="nucleusmoe-image",
         example_inputs=nucleus_inputs,
         rewrites=(EXPERTS,),

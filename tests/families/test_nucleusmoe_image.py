@@ -4,7 +4,8 @@ The suite runs the experts' loop path sharded at worlds 2 and 4 against the sing
 all-reduce count (one per MoE layer: routed and shared experts summed once). These check the rest: the grouped-GEMM
 path of the split experts against diffusers' own, that the split is along the experts' output columns (gate and up
 halves of every expert, down rows alike), and that a mesh which cuts the experts' width unevenly is refused before
-anything is sharded.
+anything is sharded; and the published setting's grouped GEMMs sharded in bfloat16 (the only dtype torch 2.13's
+`grouped_mm` propagates sharding for) against the loop path sharded alike (tests/workers/nucleusmoe_image_worker.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ class RoutedExperts(unittest.TestCase):
             surgery.tensor_parallel(model, init_device_mesh("cpu", (3,)))
         self.assertIn("transformer_blocks.0.img_mlp.experts.gate_proj' has 32 entries along dim 2", str(caught.exception))
         self.assertEqual({n: (type(p), tuple(p.shape)) for n, p in model.named_parameters()}, before)
+
+
+class PublishedGroupedGemms(unittest.TestCase):
+    def test_sharded_grouped_gemms_in_bf16_match_the_sharded_loop(self):
+        from nucleusmoe_image_worker import grouped_bf16
+
+        from surgery.testing import BF16_TOL, run_on_cpu_ranks
+
+        for rank, r in enumerate(run_on_cpu_ranks(grouped_bf16, 2)):
+            self.assertLessEqual(r["grouped_vs_loop"], BF16_TOL, f"rank {rank}")
+            self.assertEqual(r["collectives"], {"all_reduce": r["expected_all_reduces"]}, f"rank {rank}")
 
 
 if __name__ == "__main__":
