@@ -120,7 +120,8 @@ class Output(unittest.TestCase):
         code, out = self.run_main("plan", "--model", "flux1-dev", "--show-plan")
         self.assertEqual(code, 0)
         scope: dict = {}
-        exec("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *", scope)
+        exec("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *; "
+             "from surgery.parallel.styles import *", scope)
         plan = eval(out, scope)  # the whole output is valid Python: comments and one dict
         self.assertEqual(type(plan["transformer_blocks.*.attn.to_q"]).__name__, "ColwiseParallel")
         self.assertIn('"single_transformer_blocks.*.proj_out.attn_part": '
