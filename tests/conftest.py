@@ -19,6 +19,16 @@ sys.path[:0] = [os.path.join(TESTS, "workers"), os.path.join(TESTS, "support")]
 HEAVY_WORLD = 4
 
 
+def pytest_configure(config):
+    # Under pytest-xdist each worker gets its share of the cores: torch's default, every core per process, would
+    # oversubscribe them (n workers x n threads) and its OpenMP threads spin waiting for each other.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def _world(item) -> int | None:
     function = getattr(item, "obj", None)
     original = getattr(function, "place_as", None)  # set by parameterized.expand on each generated case

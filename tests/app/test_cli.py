@@ -8,6 +8,7 @@ import sys
 import unittest
 from unittest import mock
 
+import pytest
 from parameterized import parameterized
 
 from surgery.app.cli import main
@@ -25,6 +26,7 @@ class Demo(unittest.TestCase):
         self.assertIn("collectives per forward: 6 all_reduce", result.stdout)
         self.assertIn("OK: worst error", result.stdout)
 
+    @pytest.mark.heavy  # a second demo (~25 s, the same user path as the one above): CI's second run
     def test_flux3_demo(self):
         # the family added the new way (leaves and a head-dim processor twin) runs the same user path
         result = surgery_command("demo", "--model", "flux3")
