@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import conformance_worker as W
 import surgery
 import surgery.core.rewrite
+from surgery.core.build import build
 from surgery.core.registry import model_class, tp_plan_for
 from surgery.testing import CollectiveCounter, assert_unchanged, rel_err, snapshot
 from surgery.parallel.distributed import fake_process_group
@@ -325,7 +326,7 @@ class AllReduces(unittest.TestCase):
         family = W.families()[family_name]
         for config in family.tests.configs.values():
             with torch.device("meta"):  # the class as is: a test config may lie outside the published range
-                model = surgery.core.rewrite.unfuse(model_class(family)(**config))
+                model = surgery.core.rewrite.unfuse(build(family, config))
             styled = [(model.get_submodule(".".join(p for p in (path, key) if p)), style)
                       for path, _, plan in planned_for(model) for key, style in plan.items()]
             # planned modules the forward never calls make none (SANA-WM's refiner keeps LTX-2's audio stream unused)
