@@ -33,6 +33,7 @@ from surgery.parallel.derive import (
     is_attention,
     projection_plan,
     single_stream_parts,
+    whole_key_values,
 )
 
 STOCK = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -317,6 +318,27 @@ class SharedParts(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MultiQuery(unittest.TestCase):
+    def test_one_key_value_head_stays_whole_only_where_the_processor_runs_on_dtensors(self):
+        # DreamLite's attentions: 8 query heads over one key/value head. Under the processor its pipeline sets (it
+        # reads the head count: DTensor q/k/v), the one head is replicated and the queries split; under the model's own
+        # default processor (unfused: the head-dim twin, which reads local widths) nothing is kept whole, and the
+        # heads check refuses the mesh (a replicated key beside a twin's per-head norm would count its gradient twice)
+        family = W.families()["dreamlite"]
+        config = family.tests.configs["tiny"]
+        with torch.device("meta"):
+            published = surgery.unfuse(build(family, config))
+            default = surgery.unfuse(model_class(family)(**config))
+        for name in ("attn1", "attn2"):
+            attention = published.transformer_blocks[0].get_submodule(name)
+            self.assertEqual(whole_key_values(attention), ("to_k", "to_v"))
+            plan = attention_plan(attention)
+            self.assertEqual(sorted(k for k in plan if k), ["to_out.0", "to_q"])
+            self.assertEqual(whole_key_values(default.transformer_blocks[0].get_submodule(name)), ())
+        with fake_process_group(2), self.assertRaisesRegex(surgery.SurgeryError, "attn1.to_k' holds 1 key/value"):
+            surgery.tensor_parallel(default, init_device_mesh("cpu", (2,)))
 
 
 class AllReduces(unittest.TestCase):
