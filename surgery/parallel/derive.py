@@ -348,7 +348,7 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
             plan[name] = RowwiseParallel()
     gates = (heads, q.out_features) if on_dtensors else (heads,)
     for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
-        if (name not in plan and isinstance(child, nn.Linear) and child.out_features in gates
+        if (name not in plan and name not in whole and isinstance(child, nn.Linear) and child.out_features in gates
                 and (child.in_features == q.in_features or (on_dtensors and child.out_features == heads))):
             # on DTensors, a per-head term from another input too (RFD4-Proteina's pair bias, pair width -> heads):
             # its Shard(-1) output meets the heads wherever the stock processor moves them

@@ -326,19 +326,21 @@ class MultiQuery(unittest.TestCase):
         # reads the head count: DTensor q/k/v), the one head is replicated and the queries split; under the model's own
         # default processor (unfused: the head-dim twin, which reads local widths) nothing is kept whole, and the
         # heads check refuses the mesh (a replicated key beside a twin's per-head norm would count its gradient twice)
+        # (also as many heads as each head's size, DreamLite's UNet tests' 8 of 8: the key is as wide as a per-head gate)
         family = W.families()["dreamlite"]
-        config = family.tests.configs["tiny"]
-        with torch.device("meta"):
-            published = surgery.unfuse(build(family, config))
-            default = surgery.unfuse(model_class(family)(**config))
-        for name in ("attn1", "attn2"):
-            attention = published.transformer_blocks[0].get_submodule(name)
-            self.assertEqual(whole_key_values(attention), ("to_k", "to_v"))
-            plan = attention_plan(attention)
-            self.assertEqual(sorted(k for k in plan if k), ["to_out.0", "to_q"])
-            self.assertEqual(whole_key_values(default.transformer_blocks[0].get_submodule(name)), ())
-        with fake_process_group(2), self.assertRaisesRegex(surgery.SurgeryError, "attn1.to_k' holds 1 key/value"):
-            surgery.tensor_parallel(default, init_device_mesh("cpu", (2,)))
+        tiny = family.tests.configs["tiny"]
+        for config in (tiny, {**tiny, "attention_head_dim": tiny["num_attention_heads"]}):
+            with torch.device("meta"):
+                published = surgery.unfuse(build(family, config))
+                default = surgery.unfuse(model_class(family)(**config))
+            for name in ("attn1", "attn2"):
+                attention = published.transformer_blocks[0].get_submodule(name)
+                self.assertEqual(whole_key_values(attention), ("to_k", "to_v"))
+                plan = attention_plan(attention)
+                self.assertEqual(sorted(k for k in plan if k), ["to_out.0", "to_q"])
+                self.assertEqual(whole_key_values(default.transformer_blocks[0].get_submodule(name)), ())
+            with fake_process_group(2), self.assertRaisesRegex(surgery.SurgeryError, "attn1.to_k' holds 1 key/value"):
+                surgery.tensor_parallel(default, init_device_mesh("cpu", (2,)))
 
 
 class AllReduces(unittest.TestCase):
