@@ -1,0 +1,26 @@
+"""DreamLite as its pipelines run it: the conformance suite shards a `DreamLiteTransformer2DModel` built alone (with
+the processor the UNet sets, `Family.processor`); here each transformer of DreamLite's UNet (diffusers' pipeline tests'
+config: 8 query heads over one key/value head, blocks with and without self-attention) is unfused and sharded where it
+sits, at world 2, and the UNet's output equals the single-device stock UNet's with the transformers' derived
+all-reduces and nothing else."""
+
+import unittest
+
+import dreamlite_worker
+from surgery.testing import run_on_cpu_ranks
+
+import conformance_worker as W
+
+
+class DreamLiteUNet(unittest.TestCase):
+    def test_each_transformer_sharded_in_the_unet_matches_the_stock_unet(self):
+        for rank, out in enumerate(run_on_cpu_ranks(dreamlite_worker.sharded_transformers, 2)):
+            # down 2 without self-attention + 1, mid 1, up 2 + 2 without self-attention (layers + 1 each)
+            self.assertEqual(out["transformers"], 8)
+            self.assertLessEqual(out["forward"], W.FP32_TOL, f"rank {rank}")
+            self.assertEqual(out["collectives"], {"all_reduce": out["expected_all_reduces"]}, f"rank {rank}")
+            self.assertEqual(out["expected_all_reduces"], 4 * 2 + 4 * 3)  # (attn2, ff) / (attn1, attn2, ff) outputs
+
+
+if __name__ == "__main__":
+    unittest.main()
