@@ -47,6 +47,10 @@ def dreamlite_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_
 UNET = dict(num_attention_heads=64, num_layers=1, cross_attention_dim=2048, norm_num_groups=32, qk_norm="rms_norm",
             ff_mult=6, num_kv_heads=1)
 
+# the structure at tiny widths: 8 query heads of 4 over one key/value head, rms q/k norms, ff_mult 6, 2 layers
+TINY = dict(num_attention_heads=8, attention_head_dim=4, in_channels=32, num_layers=2, cross_attention_dim=16,
+            norm_num_groups=8, qk_norm="rms_norm", ff_mult=6, num_kv_heads=1)
+
 FAMILY = derived_family(
     "dreamlite", DreamLiteTransformer2DModel, attention=(Attention,), processors=GENERIC,
     processor=DreamLiteAttnProcessor2_0,
@@ -61,13 +65,6 @@ FAMILY = derived_family(
     "carlofkl/DreamLite-base and -mobile load them (revision `diffusers`); their unet/config.json unverified here",
     default_variant="1280",
     example_inputs=dreamlite_inputs,
-    # the structure at tiny widths: 8 query heads of 4 over one key/value head, rms q/k norms, ff_mult 6, 2 layers;
-    # and the blocks without self-attention
-    tests=Tests(configs={
-        "tiny": dict(num_attention_heads=8, attention_head_dim=4, in_channels=32, num_layers=2, cross_attention_dim=16,
-                     norm_num_groups=8, qk_norm="rms_norm", ff_mult=6, num_kv_heads=1),
-        "tiny-no-self-attention": dict(num_attention_heads=8, attention_head_dim=4, in_channels=32, num_layers=2,
-                                       cross_attention_dim=16, norm_num_groups=8, qk_norm="rms_norm", ff_mult=6,
-                                       num_kv_heads=1, use_self_attention=False),
-    }),
+    # TINY, and the blocks without self-attention
+    tests=Tests(configs={"tiny": TINY, "tiny-no-self-attention": {**TINY, "use_self_attention": False}}),
 )
