@@ -326,7 +326,7 @@ class MultiQuery(unittest.TestCase):
         # reads the head count: DTensor q/k/v), the one head is replicated and the queries split; under the model's own
         # default processor (unfused: the head-dim twin, which reads local widths) nothing is kept whole, and the
         # heads check refuses the mesh (a replicated key beside a twin's per-head norm would count its gradient twice)
-        # (also as many heads as each head's size, DreamLite's UNet tests' 8 of 8: the key is as wide as a per-head gate)
+        # (also as many heads as each head's size, DreamLite's UNet tests' 8 of 8: a key as wide as a per-head gate)
         family = W.families()["dreamlite"]
         tiny = family.tests.configs["tiny"]
         for config in (tiny, {**tiny, "attention_head_dim": tiny["num_attention_heads"]}):
