@@ -18,6 +18,7 @@ from surgery.core.norms import elementwise_norm
 from surgery.core.registry import Family, Rewrite, TensorParallel
 from surgery.core.rewrite import unfuse
 from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
+from surgery.parallel.dtensor_attention import ImplicitReplication
 from surgery.parallel.plans import planned_for
 
 
@@ -100,6 +101,8 @@ def all_reduces(style) -> int:
     if isinstance(style, PrepareModuleOutput):  # one per output resolved from partial sums
         return sum(1 for have, want in zip(style.output_layouts, style.desired_output_layouts)
                    if have is not None and have.is_partial() and want is not None and want.is_replicate())
+    if isinstance(style, ImplicitReplication):  # a MoE layer: its routed and shared experts' sum, resolved once
+        return int(style.sum_output)
     return style.statistics if isinstance(style, AcrossHeadsNorm) else 0
 
 
