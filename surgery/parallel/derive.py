@@ -417,6 +417,23 @@ def runs_on_dtensors(module: nn.Module) -> bool:
     return processor is not None and not runs_twin(module) and processor_reads_head_count(processor)
 
 
+# an attention's key and value projections, pair by pair, in the spellings of `INPUT_PROJECTIONS`
+KEY_VALUE_PAIRS = (("to_k", "to_v"), ("add_k_proj", "add_v_proj"), ("to_k_t", "to_v_t"), ("to_key", "to_value"))
+
+
+def whole_key_values(module: nn.Module) -> tuple[str, ...]:
+    """The key/value projections of a multi-query attention (one key/value head for all its query heads) whose
+    processor runs on DTensors: they stay whole on every rank, since one head cannot be split. The stock processor
+    then repeats that head over the query heads as a replicated DTensor, and attention takes each rank's share of the
+    copies (a local slice, no collective); only the query heads and the output projection are split."""
+    heads, q = head_count(module), query_projection(module)
+    if not heads or heads == 1 or not isinstance(q, nn.Linear) or not runs_on_dtensors(module):
+        return ()
+    head_dim = q.out_features // heads
+    return tuple(name for pair in KEY_VALUE_PAIRS if isinstance(_child(module, pair[0]), nn.Linear)
+                 and _child(module, pair[0]).out_features == head_dim for name in pair)
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`); where its processor reads the stored head count and no head-dim twin runs, the
@@ -456,15 +473,16 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
         return Refused(f"a {cls} without an integer `heads` and a `to_q` Linear (fused to_qkv? call surgery.unfuse)")
     head_dim = q.out_features // heads
     plan: dict = {}
+    whole = whole_key_values(module) if on_dtensors else ()  # replicated by the module's `ImplicitReplication`
     for name in INPUT_PROJECTIONS:
-        if isinstance(_child(module, name), nn.Linear):
+        if isinstance(_child(module, name), nn.Linear) and name not in whole:
             plan[name] = colwise()
     for name in OUTPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
             plan[name] = RowwiseParallel()
     gates = (heads, q.out_features) if on_dtensors else (heads,)
     for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
-        if (name not in plan and isinstance(child, nn.Linear) and child.out_features in gates
+        if (name not in plan and name not in whole and isinstance(child, nn.Linear) and child.out_features in gates
                 and (child.in_features == q.in_features or (on_dtensors and child.out_features == heads))):
             # on DTensors, a per-head term from another input too (RFD4-Proteina's pair bias, pair width -> heads):
             # its Shard(-1) output meets the heads wherever the stock processor moves them
@@ -498,7 +516,7 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
         # share of the heads would need its share of it, which no derived style gives
         return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
                        "the processor reads would need this rank's share of the heads)")
-    covered = set(plan)
+    covered = set(plan) | set(whole)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
@@ -626,14 +644,17 @@ def derived(module: nn.Module) -> dict | Refused | None:
     return None
 
 
-def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
+def check_derived_heads(module: nn.Module, path: str, world: int, plan: dict | None = None) -> None:
     """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong. Both
     counts dividing by the mesh also keeps each query group with its key/value head: contiguous shards of `heads / N`
-    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio)."""
+    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio).
+    With `plan` (the module's), only the projections it shards: a multi-query attention's key/value stay whole."""
     heads = head_count(module)
     head_dim = query_projection(module).out_features // heads
     for name in (*QUERIES, "add_q_proj", *KEYS):
         linear = _child(module, name)
+        if plan is not None and name not in plan:
+            continue
         if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
             count = linear.out_features // head_dim
             kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"

@@ -10,6 +10,7 @@ stock styles and plans back as the Python a user would type.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from fnmatch import fnmatchcase
@@ -422,7 +423,7 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
         if check is None and is_attention(module) and isinstance(query_projection(module), nn.Linear):
             # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
             # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
-            check = check_derived_heads
+            check = functools.partial(check_derived_heads, plan=plan)
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
