@@ -128,6 +128,7 @@ FILES = {
     "cosmos3": {"model": ["tests/models/transformers/test_models_transformer_cosmos3.py"]},
     "anyflow-far": {"model": ["tests/models/transformers/test_models_transformer_anyflow_far.py"]},
     "transformer-temporal": {"model": ["tests/models/transformers/test_models_transformer_temporal.py"]},
+    "nucleusmoe-image": {"model": ["tests/models/transformers/test_models_transformer_nucleusmoe_image.py"]},
     # no model test file: the UNet's pipelines, whose DreamLiteTransformer2DModels are unfused as the UNet builds them
     "dreamlite": {"pipeline": ["tests/pipelines/dreamlite/test_pipeline_dreamlite.py",
                                "tests/pipelines/dreamlite/test_pipeline_dreamlite_mobile.py"]},
