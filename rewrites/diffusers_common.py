@@ -300,7 +300,9 @@ def sana_conditions(config: dict, batch: int, text_tokens: int, generator: torch
 
 
 CONV_FEED_FORWARD = ("a Conv2d feed-forward (1x1 up, depthwise 3x3, GLU, 1x1 down): stock Colwise/RowwiseParallel "
-                     "shard Linears only and DTensor's convolution never shards channels, so every rank holds it whole")
+                     "shard Linears only and DTensor's convolution shards no channels of a full convolution (the "
+                     "depthwise rule, DepthwiseChannels, covers one filter per channel only), so every rank holds it "
+                     "whole")
 
 
 def text_with_mask(generator: torch.Generator, batch: int, tokens: int,

@@ -276,6 +276,11 @@ BY_TRANSFORMER: dict[str, dict] = {
     "StableAudioDiTModel": {"pipeline": "StableAudioPipeline", "text_encoder": T5_BASE},
     "AceStepTransformer1DModel": {"pipeline": "AceStepPipeline", "text_encoder": QWEN3_EMBEDDING_06B},
     "LongCatAudioDiTTransformer": {"pipeline": "LongCatAudioDiTPipeline", "text_encoder": UMT5_BASE},
+    # NucleusMoE-Image reads Qwen3-VL-8B's last hidden state (its joint_attention_dim, 4096); SANA-WM Gemma-2-2B's
+    # (caption_channels 2304). DreamLite's pipeline holds a UNet, not a transformer: its DreamLiteTransformer2DModels
+    # shard inside it (tests/families/test_dreamlite.py), the UNet as a component does not.
+    "NucleusMoEImageTransformer2DModel": {"pipeline": "NucleusMoEImagePipeline", "text_encoder": QWEN3_VL_8B},
+    "SanaWMTransformer3DModel": {"pipeline": "SanaWMPipeline", "text_encoder": GEMMA2_2B},
 }
 PIPELINES.update(BY_TRANSFORMER)
 PIPELINES["qwen-image-2.1"] = {"pipeline": "QwenImage21Pipeline", "text_encoder": QWEN3_VL_8B}

@@ -10,11 +10,23 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(TESTS, "workers"), os.path.join(TESTS, "support")]
 
 # The heavy tier (`@pytest.mark.heavy`, or a module's `pytestmark`): jobs of 4 ranks, published widths (on
-# meta too), the notebooks, torch.compile of every family. The README's command leaves them out (pyproject's addopts:
-# -m "not heavy"); CI runs them second, `python -m pytest -q tests -m heavy` (.ci/run). A case of a
+# meta too), the notebooks, torch.compile of every family, plan-only sweeps over every published variant. The README's
+# command leaves them out (pyproject's addopts: -m "not heavy"); CI runs them second (.ci/run). Both run in two
+# processes (pytest-xdist `-n 2 --dist loadfile`: a file's tests share one process, so a job cached for a file's tests
+# runs once). A case of a
 # `parameterized.expand` test whose `world` argument is 4 is marked here: parameterized's generated methods take no
 # decorator of their own.
 HEAVY_WORLD = 4
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker gets its share of the cores: torch's default, every core per process, would
+    # oversubscribe them (n workers x n threads) and its OpenMP threads spin waiting for each other.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def _world(item) -> int | None:

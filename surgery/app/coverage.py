@@ -20,7 +20,7 @@ import torch
 from diffusers import ModelMixin
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from surgery.core.build import model_on_meta
+from surgery.core.build import build, model_on_meta
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import families, model_class
 from surgery.core.rewrite import unfuse
@@ -51,7 +51,7 @@ def class_status(cls: type, world: int = 2) -> dict:
     row = {"class": cls.__name__, "family": family.name if family else "", "all_reduces": None, "reason": ""}
     try:
         with torch.device("meta"):
-            model = cls(**(family.config() if family else {}))
+            model = build(family, family.config()) if family else cls()
     except Exception as error:  # noqa: BLE001 - any failure of a stock constructor is reported, not raised
         return {**row, "status": "not built", "reason": f"{type(error).__name__}: {error}".splitlines()[0][:160]}
     try:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from surgery.core.errors import SurgeryError
-from surgery.core.registry import Family, model_class, resolve_model
+from surgery.core.registry import Family, families, model_class, qualified_name, resolve_model
 
 
 @contextmanager
@@ -34,6 +34,25 @@ def resolve_config(model: str | dict, family: Family | None = None) -> tuple[Fam
     return family, dict(model)
 
 
+def build(family: Family, config: dict) -> nn.Module:
+    """`family`'s model from `config` (on the default device, in the default dtype) as its published pipeline runs
+    it (`published_processor`)."""
+    return published_processor(model_class(family)(**config), family)
+
+
+def published_processor(model: nn.Module, family: Family | None = None) -> nn.Module:
+    """`model` (of `family`, else of the family registered for its class) with each of its attentions given the
+    processor the published pipeline sets (`Family.processor`), where the family names one; otherwise as it was."""
+    if family is None:
+        family = next((f for f in families().values() if f.model_class in (type(model), qualified_name(type(model)))),
+                      None)
+    if family is not None and family.processor is not None:
+        for module in model.modules():
+            if hasattr(module, "set_processor"):  # diffusers' attentions: `Attention`, `AttentionModuleMixin`
+                module.set_processor(family.processor())
+    return model
+
+
 def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None) -> nn.Module:
     """`family`'s model built from `config` on the meta device (nothing allocated), in `dtype` if given.
 
@@ -43,7 +62,7 @@ def model_on_meta(family: Family, config: dict, dtype: torch.dtype | None = None
     check_config(family, config)
     try:
         with torch.device("meta"), default_dtype(dtype or torch.get_default_dtype()):
-            model = cls(**config)
+            model = build(family, config)
     except (TypeError, ValueError, ZeroDivisionError, RuntimeError) as error:
         raise SurgeryError(f"{family.name}: {cls.__name__} cannot be built from this config: {error}") from None
     # bytes per rank and the meta forward's dtypes are the published model's
@@ -95,7 +114,7 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
     """
     torch.manual_seed(seed)
     with default_dtype(dtype):
-        model = model_class(family)(**config)
+        model = build(family, config)
     with torch.no_grad():
         # `from_pretrained(torch_dtype=...)` loads every floating entry of the state dict in that dtype, persistent
         # buffers too: those a constructor makes float32 whatever the default dtype (OmniGen's and SD3's `pos_embed`)

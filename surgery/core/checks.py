@@ -150,17 +150,7 @@ def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = Fals
             f"`merge_and_unload()`), then call surgery.{verb}."
         )
     for name, param in module.named_parameters(recurse=False):
-        if _is_dtensor(param):
-            fix = (
-                "surgery.tensor_parallel has been applied already: shard a fresh, unsharded model instead."
-                if verb == "tensor_parallel"
-                else "Call surgery.unfuse on the unsharded model, then surgery.tensor_parallel; to fuse a sharded "
-                "model, gather it first (`full_tensor()`) into an unsharded copy."
-            )
-            raise SurgeryError(
-                f"surgery.{verb}: '{path}.{name}' is already sharded (a DTensor with placements "
-                f"{tuple(param.placements)}). {fix}"
-            )
+        _check_unsharded(param, f"{path}.{name}", verb)
     if cls is not (nn.Embedding if embedding else nn.Linear):
         what = "a quantized layer" if "quant" in f"{cls.__module__}.{cls.__name__}".lower() else "not a torch.nn.Linear"
         raise SurgeryError(
@@ -170,12 +160,36 @@ def check_linear(module: nn.Module, path: str, verb: str, embedding: bool = Fals
     for name, param in module.named_parameters(recurse=False):
         if quantized is not None and quantized(param):
             continue
-        check_inference_tensor(param, f"{path}.{name}", verb)
-        if type(param) not in (nn.Parameter, torch.Tensor) or not param.is_floating_point():
-            raise SurgeryError(
-                f"surgery.{verb}: '{path}.{name}' holds a {type(param).__name__} of dtype {param.dtype}, which looks "
-                f"quantized. Run surgery.{verb} on the unquantized model, then quantize."
-            )
+        _check_plain(param, f"{path}.{name}", verb)
+
+
+def check_parameter(param: torch.Tensor, path: str, verb: str) -> None:
+    """A parameter a rewrite slices or concatenates that no Linear holds (a MoE's 3-D expert weights) must be a plain,
+    unsharded, unquantized floating-point tensor, as a Linear's must."""
+    _check_unsharded(param, path, verb)
+    _check_plain(param, path, verb)
+
+
+def _check_unsharded(param: torch.Tensor, path: str, verb: str) -> None:
+    if _is_dtensor(param):
+        fix = (
+            "surgery.tensor_parallel has been applied already: shard a fresh, unsharded model instead."
+            if verb == "tensor_parallel"
+            else "Call surgery.unfuse on the unsharded model, then surgery.tensor_parallel; to fuse a sharded "
+            "model, gather it first (`full_tensor()`) into an unsharded copy."
+        )
+        raise SurgeryError(
+            f"surgery.{verb}: '{path}' is already sharded (a DTensor with placements {tuple(param.placements)}). {fix}"
+        )
+
+
+def _check_plain(param: torch.Tensor, path: str, verb: str) -> None:
+    check_inference_tensor(param, path, verb)
+    if type(param) not in (nn.Parameter, torch.Tensor) or not param.is_floating_point():
+        raise SurgeryError(
+            f"surgery.{verb}: '{path}' holds a {type(param).__name__} of dtype {param.dtype}, which looks "
+            f"quantized. Run surgery.{verb} on the unquantized model, then quantize."
+        )
 
 
 def mesh_sizes_dividing(n: int, limit: int = 64) -> list[int]:

@@ -245,6 +245,7 @@ def edits_for(stock: type, method: str = "__call__") -> tuple[tuple[str, str, in
 
 
 _twins: dict[type, type] = {}
+TWIN_METHODS = "_surgery_twin_methods"  # the class attribute a twin lists its edited methods under
 _stocks: dict[type, type] = {}
 
 
@@ -271,19 +272,22 @@ def edited_source(stock: type, method: str = "__call__") -> str:
     return source
 
 
-def twin(stock: type, name: str, method: str = "__call__") -> type:
-    """A subclass of `stock` named `name` whose `method` is the stock one with its listed edits, compiled against
-    the stock module's globals. Registered with diffusers' processor and block registries under the stock class's
-    metadata (the layer-skip and cache hooks look classes up exactly)."""
+def twin(stock: type, name: str, method: str | tuple[str, ...] = "__call__") -> type:
+    """A subclass of `stock` named `name` whose `method` (or each of several) is the stock one with its listed edits,
+    compiled against the stock module's globals. Registered with diffusers' processor and block registries under the
+    stock class's metadata (the layer-skip and cache hooks look classes up exactly)."""
     if stock in _twins:
         return _twins[stock]
+    methods = (method,) if isinstance(method, str) else tuple(method)
     namespace: dict = {}
-    code = compile(edited_source(stock, method), f"<{name}: {qualified(stock)}.{method} edited by surgery.core.leaves>",
-                   "exec")
-    # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
-    exec(code, inspect.unwrap(getattr(stock, method)).__globals__, namespace)
+    for each in methods:
+        code = compile(edited_source(stock, each), f"<{name}: {qualified(stock)}.{each} edited by surgery.core.leaves>",
+                       "exec")
+        # the defining module's globals, not a decorator's (transformers wraps forwards in `deprecate_kwarg`)
+        exec(code, inspect.unwrap(getattr(stock, each)).__globals__, namespace)
     cls = type(name, (stock,), {
-        method: namespace[method],
+        **{each: namespace[each] for each in methods},
+        TWIN_METHODS: methods,
         "__module__": __name__,
         "__doc__": f"`{qualified(stock)}` with the edits of surgery.core.leaves.edits_for.",
     })
@@ -299,6 +303,11 @@ def twin(stock: type, name: str, method: str = "__call__") -> type:
         pass
     _twins[stock], _stocks[cls] = cls, stock
     return cls
+
+
+def twin_methods(cls: type) -> tuple[str, ...]:
+    """The methods a twin made by `twin` edits."""
+    return vars(cls)[TWIN_METHODS]
 
 
 def head_dim_twin(stock: type) -> type:

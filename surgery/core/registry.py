@@ -121,6 +121,10 @@ class Family:
     # name: (class, config class or None, config)}: what the published pipeline holds besides its transformer
     # (`surgery plan --pipeline` builds each on meta)
     pipelines: dict[str, dict] = field(default_factory=dict)
+    # the attention processor (a class, called with no arguments) the published pipeline sets on every attention of
+    # the model where that is not the model's own default (DreamLite's UNet sets its grouped-query one on the
+    # DreamLiteTransformer2DModels it holds; their default cannot run one key/value head): `build` sets it
+    processor: Callable[[], object] | None = None
     rewrites: tuple[Rewrite, ...] = ()
     tp: TensorParallel = field(default_factory=TensorParallel)
     tests: Tests = field(default_factory=Tests)

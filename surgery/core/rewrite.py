@@ -28,6 +28,7 @@ from surgery.core.checks import (
     check_hooks,
     check_linear,
     check_model,
+    check_parameter,
     check_replaced_parameter,
     check_wrappers,
     wrapper_error,
@@ -326,7 +327,10 @@ def _check_sources(module: nn.Module, path: str, rewrite: Rewrite, slices: list[
                 f"{rewrite.name} rewrite reads. Was the module edited after it was built?"
             ) from None
         linear_path = _join(path, owner)
-        check_linear(linear, linear_path, verb, quantized=sliceable)
+        if owner:
+            check_linear(linear, linear_path, verb, quantized=sliceable)
+        else:  # a parameter of the module itself (a MoE's 3-D expert weights), its hooks checked with the module's
+            check_parameter(_param(module, name), _join(path, name), verb)
         check_hooks(linear, linear_path, verb)
 
 

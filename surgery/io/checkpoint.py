@@ -31,6 +31,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 import diffusers
 
+from surgery.core.build import published_processor
 from surgery.core.errors import SurgeryError
 from surgery.core.optional import need
 from surgery.core.rewrite import unfuse
@@ -240,7 +241,7 @@ def model_on_meta(folder: Path, model_class: type | None = None) -> nn.Module:
 
     try:
         with init_empty_weights():
-            return model_class.from_config(model_class.load_config(folder))
+            return published_processor(model_class.from_config(model_class.load_config(folder)))
     except (TypeError, ValueError, AssertionError, ZeroDivisionError) as error:
         raise SurgeryError(f"'{folder / 'config.json'}' does not build a {model_class.__name__}: {error}") from None
 

@@ -22,11 +22,12 @@ import inspect
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import Attention
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from surgery.core.checks import mesh_sizes_dividing
@@ -65,6 +66,18 @@ def per_head_norm(head_dim: int = 2) -> SequenceParallel:
     return SequenceParallel(sequence_dim=head_dim, use_local_output=True)
 
 
+def rows_sharded(src_data_rank: int | None):
+    """`distribute_module`'s partition: each module's own parameters not yet placed `Shard(0)`."""
+
+    def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+        for key, param in list(mod.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=src_data_rank)
+                mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    return partition
+
+
 class AcrossHeadsNorm(ParallelStyle):
     """A norm over the whole attention width on a rank that holds a share of the heads: its weight (and bias)
     `Shard(0)`, its input this rank's columns as a `Shard(-1)` DTensor, its output local again (a DTensor with
@@ -79,12 +92,6 @@ class AcrossHeadsNorm(ParallelStyle):
         self.statistics = statistics
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for key, param in list(mod.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
-                    mod.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
-
         def inputs(mod, args, mesh):
             return tuple(DTensor.from_local(a, mesh, (Shard(-1),), run_check=False) if not isinstance(a, DTensor)
                          else a for a in args)
@@ -92,7 +99,7 @@ class AcrossHeadsNorm(ParallelStyle):
         def outputs(mod, out, mesh):
             return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
-        return distribute_module(module, mesh, partition, inputs, outputs)
+        return distribute_module(module, mesh, rows_sharded(self.src_data_rank), inputs, outputs)
 
 
 class PerHeadParameters(ParallelStyle):
@@ -112,6 +119,133 @@ class PerHeadParameters(ParallelStyle):
                 placed = distribute_tensor(param, mesh, (Shard(0),), src_data_rank=self.src_data_rank)
                 module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
         return module
+
+
+class DepthwiseChannels(ParallelStyle):
+    """A depthwise convolution module (one filter per channel: SANA-WM's temporal short convolutions over q/k/v)
+    whose channels are the attention width of a rank's share of the heads: its parameters `Shard(0)` (its filters of
+    those channels), its first input this rank's columns as a `Shard(-1)` DTensor, its output local again. The stock
+    forward runs on DTensors, its convolution on each rank's own channels (`register_depthwise_convolution`): no
+    collective."""
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        register_depthwise_convolution()
+
+        def inputs(mod, args, mesh):
+            first, *rest = args
+            if not isinstance(first, DTensor):
+                first = DTensor.from_local(first, mesh, (Shard(-1),), run_check=False)
+            return (first, *rest)
+
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, mesh, rows_sharded(self.src_data_rank), inputs, outputs)
+
+
+@functools.cache
+def register_depthwise_convolution() -> None:
+    """DTensor convolves with the weight whole (torch's handler shards the batch or the width of an image, with halo
+    exchange); a depthwise convolution (`groups` = channels, one filter each) over channel-sharded input `Shard(1)`
+    with its weight `Shard(0)` is each rank's own channels, convolved with its own filters and `groups` = its own
+    channel count, forward and backward. Anything else goes to torch's handlers as before."""
+    aten = torch.ops.aten
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    stock_forward, stock_backward = handlers[aten.convolution.default], handlers[aten.convolution_backward.default]
+
+    def by_channels(x, weight, groups) -> bool:
+        return (isinstance(x, DTensor) and isinstance(weight, DTensor) and x.device_mesh.ndim == 1
+                and tuple(x.placements) == (Shard(1),) and tuple(weight.placements) == (Shard(0),)
+                and groups == x.shape[1] == weight.shape[0] and weight.shape[1] == 1)
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    def wrap(t, mesh, placement):
+        return None if t is None else DTensor.from_local(t, mesh, (placement,), run_check=False)
+
+    def forward(op_call, args, kwargs):
+        x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = args
+        if not by_channels(x, weight, groups) or (bias is not None and tuple(bias.placements) != (Shard(0),)):
+            return stock_forward(op_call, args, kwargs)
+        out = op_call(local(x), local(weight), local(bias), stride, padding, dilation, transposed, output_padding,
+                      local(x).shape[1])
+        return wrap(out, x.device_mesh, Shard(1))
+
+    def backward(op_call, args, kwargs):
+        grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+        if not by_channels(x, weight, groups):
+            return stock_backward(op_call, args, kwargs)
+        mesh, channels = x.device_mesh, local(x).shape[1]
+        grad = grad.redistribute(mesh, (Shard(1),)) if isinstance(grad, DTensor) else grad
+        grads = op_call(local(grad), local(x), local(weight), None if bias_sizes is None else [channels], stride,
+                        padding, dilation, transposed, output_padding, channels, mask)
+        return tuple(wrap(g, mesh, p) for g, p in zip(grads, (Shard(1), Shard(0), Shard(0))))
+
+    handlers[aten.convolution.default] = forward
+    handlers[aten.convolution_backward.default] = backward
+
+
+class ColwiseIntoHeads(ColwiseParallel):
+    """`ColwiseParallel` whose output stays a heads-sharded DTensor (`use_local_output=False`), to meet a module's
+    `PerHeadParameters` (SANA-WM's `gate_proj` rows with `A_log` and `dt_bias`), its gradient made contiguous on the
+    way back: the forward may transpose it (the decay gate, `(batch, frames, heads)` -> `(batch, heads, frames)`), and
+    DTensor's Linear backward then views a transposed local shard, which torch 2.13 refuses. No collective."""
+
+    def __init__(self):
+        super().__init__(use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        if outputs.requires_grad:  # DTensor's `contiguous` reads the wrapper's strides, not the local shard's
+            outputs.register_hook(lambda grad: DTensor.from_local(grad.to_local().contiguous(), grad.device_mesh,
+                                                                  grad.placements, run_check=False))
+        return outputs
+
+
+class HeadsInputs(ParallelStyle):
+    """The positional arguments of a module that computes on a rank's share of the heads with plain tensors (SANA-WM's
+    recurrences, `attn` and `cam_attn`): at `local` positions a heads-sharded DTensor made before it (the decay gate)
+    enters as this rank's local heads; at `whole` positions tensors every rank holds whole (the UCPE ray transforms,
+    made of the camera conditions, or a tuple of them) enter as they are, their gradients, each rank's part from its
+    own heads, summed over the ranks on the way back (an all-reduce in backward only, where they need a gradient).
+    No collective in forward."""
+
+    def __init__(self, local: tuple[int, ...] = (), whole: tuple[int, ...] = ()):
+        super().__init__()
+        self.local, self.whole = local, whole
+
+    def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        def summed(tensor):
+            if not isinstance(tensor, torch.Tensor) or isinstance(tensor, DTensor) or not tensor.requires_grad:
+                return tensor
+            return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(
+                grad_placements=(Partial(),))
+
+        def prepare(_, args):
+            args = list(args)
+            for i in self.local:
+                args[i] = args[i].to_local() if isinstance(args[i], DTensor) else args[i]
+            for i in self.whole:
+                args[i] = type(args[i])(map(summed, args[i])) if isinstance(args[i], (tuple, list)) else summed(args[i])
+            return tuple(args)
+
+        module.register_forward_pre_hook(prepare)
+        return module
+
+
+class RowwiseIntoHeads(RowwiseParallel):
+    """`RowwiseParallel` whose all-reduced output each rank keeps only its own heads' columns of (a local slice, no
+    further collective): a Linear whose output is added to a heads-sharded activation before the output projection
+    (SANA-WM's camera branch, `out_proj_cam`, into the main branch's attention output). Its all-reduce is the
+    Rowwise one; a reduce-scatter would move half the bytes but is no all-reduce of the library's count."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        whole = outputs.redistribute(placements=output_layouts)
+        share = whole.redistribute(placements=(Shard(-1),))
+        return share.to_local() if use_local_output else share
 
 
 class RotaryAcrossWidth(ParallelStyle):
@@ -283,6 +417,23 @@ def runs_on_dtensors(module: nn.Module) -> bool:
     return processor is not None and not runs_twin(module) and processor_reads_head_count(processor)
 
 
+# an attention's key and value projections, pair by pair, in the spellings of `INPUT_PROJECTIONS`
+KEY_VALUE_PAIRS = (("to_k", "to_v"), ("add_k_proj", "add_v_proj"), ("to_k_t", "to_v_t"), ("to_key", "to_value"))
+
+
+def whole_key_values(module: nn.Module) -> tuple[str, ...]:
+    """The key/value projections of a multi-query attention (one key/value head for all its query heads) whose
+    processor runs on DTensors: they stay whole on every rank, since one head cannot be split. The stock processor
+    then repeats that head over the query heads as a replicated DTensor, and attention takes each rank's share of the
+    copies (a local slice, no collective); only the query heads and the output projection are split."""
+    heads, q = head_count(module), query_projection(module)
+    if not heads or heads == 1 or not isinstance(q, nn.Linear) or not runs_on_dtensors(module):
+        return ()
+    head_dim = q.out_features // heads
+    return tuple(name for pair in KEY_VALUE_PAIRS if isinstance(_child(module, pair[0]), nn.Linear)
+                 and _child(module, pair[0]).out_features == head_dim for name in pair)
+
+
 def attention_plan(module: nn.Module) -> dict | Refused:
     """The derived plan of one attention module (keys relative to it), or why there is none: its projections' and
     norms' plan (`projection_plan`); where its processor reads the stored head count and no head-dim twin runs, the
@@ -322,15 +473,16 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
         return Refused(f"a {cls} without an integer `heads` and a `to_q` Linear (fused to_qkv? call surgery.unfuse)")
     head_dim = q.out_features // heads
     plan: dict = {}
+    whole = whole_key_values(module) if on_dtensors else ()  # replicated by the module's `ImplicitReplication`
     for name in INPUT_PROJECTIONS:
-        if isinstance(_child(module, name), nn.Linear):
+        if isinstance(_child(module, name), nn.Linear) and name not in whole:
             plan[name] = colwise()
     for name in OUTPUT_PROJECTIONS:
         if isinstance(_child(module, name), nn.Linear):
             plan[name] = RowwiseParallel()
     gates = (heads, q.out_features) if on_dtensors else (heads,)
     for name, child in module.named_children():  # per-head gates: rows are heads, split like q's
-        if (name not in plan and isinstance(child, nn.Linear) and child.out_features in gates
+        if (name not in plan and name not in whole and isinstance(child, nn.Linear) and child.out_features in gates
                 and (child.in_features == q.in_features or (on_dtensors and child.out_features == heads))):
             # on DTensors, a per-head term from another input too (RFD4-Proteina's pair bias, pair width -> heads):
             # its Shard(-1) output meets the heads wherever the stock processor moves them
@@ -364,7 +516,7 @@ def projection_plan(module: nn.Module, on_dtensors: bool = False) -> dict | Refu
         # share of the heads would need its share of it, which no derived style gives
         return Refused(f"its own parameter `{name}` {tuple(param.shape)} has no derivation rule (a per-head tensor "
                        "the processor reads would need this rank's share of the heads)")
-    covered = set(plan)
+    covered = set(plan) | set(whole)
     for path, child in module.named_modules():
         if isinstance(child, nn.Linear) and path and not any(path == c or path.startswith(c + ".") for c in covered):
             return Refused(f"its Linear `{path}` ({child.in_features} -> {child.out_features}) has no derivation rule "
@@ -492,14 +644,17 @@ def derived(module: nn.Module) -> dict | Refused | None:
     return None
 
 
-def check_derived_heads(module: nn.Module, path: str, world: int) -> None:
+def check_derived_heads(module: nn.Module, path: str, world: int, plan: dict | None = None) -> None:
     """Key/value heads (GQA) and query heads must split evenly over the mesh: a cut inside a head is wrong. Both
     counts dividing by the mesh also keeps each query group with its key/value head: contiguous shards of `heads / N`
-    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio)."""
+    and `kv_heads / N` cut both at multiples of `heads / kv_heads` (query head i reads kv head i // that ratio).
+    With `plan` (the module's), only the projections it shards: a multi-query attention's key/value stay whole."""
     heads = head_count(module)
     head_dim = query_projection(module).out_features // heads
     for name in (*QUERIES, "add_q_proj", *KEYS):
         linear = _child(module, name)
+        if plan is not None and name not in plan:
+            continue
         if isinstance(linear, nn.Linear) and (linear.out_features // head_dim) % world:
             count = linear.out_features // head_dim
             kind = "heads" if count == heads else f"key/value heads (grouped-query: {heads} query heads)"

@@ -20,7 +20,9 @@ tensor, and it ends the processor's DTensor flow.
 torch 2.13 has no sharding rule for the CPU flash-attention op that `scaled_dot_product_attention` runs on CPU (CUDA's
 flash, efficient and cuDNN ops have theirs), so DTensor would gather q/k/v there; `register_cpu_attention_sharding`
 gives it the rule the CUDA ops have: batch or heads sharded alike in q, k, v, output and statistics, a mask sharded
-where it holds one entry per head or batch and replicated where it broadcasts.
+where it holds one entry per head or batch and replicated where it broadcasts. Two more completions serve a MoE
+layer run so (NucleusMoE's): `scatter_add` of partial sums stays partial (`register_partial_scatter_add`), and an
+in-place `scatter_add_` into a plain tensor takes it as replicated (`register_plain_scatter_add_`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.experimental import implicit_replication, register_sharding
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.utils._pytree import tree_map_only
@@ -75,10 +77,18 @@ class ImplicitReplication(ParallelStyle):
     DTensors (their gradients summed over ranks), so do the tensors it is called with (hidden states, rotary tables,
     masks: every rank holds them whole; a gradient they need comes back reduced), and while it runs the plain tensors
     it makes count as replicated, in its forward and in the backward of what its forward computed (`_enter`). No
-    collective of its own in forward."""
+    collective of its own in forward, except with `sum_output`: a module whose output is the ranks' partial sums (a
+    MoE layer: its routed and its shared experts' rowwise down projections, added up) hands it on resolved by one
+    all-reduce, as a plain tensor."""
+
+    def __init__(self, sum_output: bool = False):
+        super().__init__()
+        self.sum_output = sum_output
 
     def _apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         register_cpu_attention_sharding()
+        register_partial_scatter_add()
+        register_plain_scatter_add_()
 
         def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             for key, param in list(mod.named_parameters(recurse=False)):
@@ -93,7 +103,14 @@ class ImplicitReplication(ParallelStyle):
         distribute_module(module, mesh, replicate)
         module.register_forward_pre_hook(enter, with_kwargs=True)
         module.register_forward_hook(lambda mod, args, out: _exit(), always_call=True)
+        if self.sum_output:
+            module.register_forward_hook(lambda mod, args, out: tree_map_only(DTensor, _summed, out))
         return module
+
+
+def _summed(tensor: DTensor) -> torch.Tensor:
+    """A module's DTensor output (partial sums) as the plain tensor every rank holds: one all-reduce."""
+    return tensor.redistribute(placements=[Replicate()] * tensor.device_mesh.ndim).to_local()
 
 
 @functools.cache
@@ -146,5 +163,50 @@ def reshard_mask_like_query(op, query_index: int) -> None:
             return op_call(*args, **kwargs)
         finally:
             handlers[op] = handler
+
+    handlers[op] = handler
+
+
+@functools.cache
+def register_partial_scatter_add() -> None:
+    """DTensor's sharding rule for `scatter_add`, with the partial sums torch 2.13 lacks (it reduce-scatters both):
+    `scatter_add(a, i, s)` is linear in `(a, s)` together, so partial `a` and `s` with a replicated index give partial
+    sums of the result (a MoE layer's shared-expert output with its routed outputs scattered in). Otherwise as torch's
+    own: all replicated, or sharded alike on a dim other than the scatter dim (where the index spans it whole)."""
+
+    @register_sharding(torch.ops.aten.scatter_add.default)
+    def scatter_add(self, dim, index, src):
+        dim = dim % self.ndim
+        rules = [([Replicate()], [Replicate(), None, Replicate(), Replicate()]),
+                 ([Partial()], [Partial(), None, Replicate(), Partial()])]
+        for d in range(self.ndim):
+            if d != dim and index.shape[d] == self.shape[d] == src.shape[d]:
+                rules.append(([Shard(d)], [Shard(d), None, Shard(d), Shard(d)]))
+        return rules
+
+
+@functools.cache
+def register_plain_scatter_add_() -> None:
+    """`scatter_add_` into a plain tensor with DTensor arguments, while plain tensors count as replicated (NucleusMoE's
+    router sums each token's scores into a plain `torch.zeros` in place: `token_score_sums.scatter_add_(0, indices,
+    gating)`): DTensor dispatches an in-place op only on a DTensor `self`. A DTensor op handler runs it on `self`
+    taken as replicated (its local tensor is `self`: written in place, as the stock code wrote it) and returns
+    `self`; a collective only where an argument must be made replicated first."""
+    op = torch.ops.aten.scatter_add_.default
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+
+    def handler(op_call, args, kwargs):
+        self, *rest = args
+        if not isinstance(self, DTensor) and dispatcher._allow_implicit_replication:
+            mesh = next(a.device_mesh for a in rest if isinstance(a, DTensor))
+            placed = DTensor.from_local(self, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            args = (placed, *rest)
+        del handlers[op]  # DTensor's own dispatch, for this one call
+        try:
+            op_call(*args, **kwargs)
+        finally:
+            handlers[op] = handler
+        return self
 
     handlers[op] = handler

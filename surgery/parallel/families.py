@@ -12,12 +12,13 @@ import torch.fx.experimental._config
 import torch.nn as nn
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel
 
-from surgery.core.build import keep_in_fp32
+from surgery.core.build import build, keep_in_fp32
 from surgery.core.leaves import Processors, rule_edits, swap_rewrite
 from surgery.core.norms import elementwise_norm
-from surgery.core.registry import Family, Rewrite, TensorParallel, model_class
+from surgery.core.registry import Family, Rewrite, TensorParallel
 from surgery.core.rewrite import unfuse
 from surgery.parallel.derive import QK_NORMS, AcrossHeadsNorm
+from surgery.parallel.dtensor_attention import ImplicitReplication
 from surgery.parallel.plans import planned_for
 
 
@@ -56,7 +57,7 @@ def derived_all_reduces(family: Family, config: dict) -> int:
     # built as given (not through `model_on_meta`'s user-config check): a published-width slice may hold no
     # double-stream blocks (num_layers=0)
     with torch.device("meta"):
-        model = unfuse(keep_in_fp32(model_class(family)(**config)))
+        model = unfuse(keep_in_fp32(build(family, config)))
     styled = [(_sub(model, path, key), all_reduces(style)) for path, _, plan in planned_for(model)
               for key, style in plan.items()]
     calls = _calls_on_meta(family, config, model, [m for m, n in styled if n])
@@ -100,6 +101,8 @@ def all_reduces(style) -> int:
     if isinstance(style, PrepareModuleOutput):  # one per output resolved from partial sums
         return sum(1 for have, want in zip(style.output_layouts, style.desired_output_layouts)
                    if have is not None and have.is_partial() and want is not None and want.is_replicate())
+    if isinstance(style, ImplicitReplication):  # a MoE layer: its routed and shared experts' sum, resolved once
+        return int(style.sum_output)
     return style.statistics if isinstance(style, AcrossHeadsNorm) else 0
 
 

@@ -10,7 +10,9 @@ Why zero heads and not uneven shards: DTensor shards like `torch.chunk` (ceil-si
 number of whole heads under the stock styles, and saving, loading and adapters keep working on even shards.
 
 Refused, with the reason: a norm over the whole attention width (its statistic would count the zero heads), rotary
-tables laid across the width, and any Linear the rule cannot tell is about heads.
+tables laid across the width, a multi-query attention's key/value head kept whole (zero query heads would attend to
+it: their outputs, and so their output columns' gradients, are not zero), and any Linear the rule cannot tell is about
+heads.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from surgery.core.checks import mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import HeadPadding
 from surgery.core.split_projection import ATTN_PART
 from surgery.parallel.derive import (
     INPUT_PROJECTIONS, KEYS, OUTPUT_PROJECTIONS, QK_NORMS, RotaryAcrossWidth, head_count, is_attention, norm_width,
-    query_projection,
+    query_projection, whole_key_values,
 )
 
 # the rows of q/k/v: the derivation's names, and a `SplitRows`' parts (FLUX.2's `to_qkv_mlp_proj.q`)
@@ -83,6 +86,12 @@ def attention_padding(planned_module: nn.Module, plan: dict, attention_key: str,
     kv = _kv_heads(rows, heads, head_dim)
     if heads % world == 0 and kv % world == 0:
         return None
+    if whole_key_values(attention):
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{where}' has {heads} query heads over one key/value head, kept whole on "
+            f"every rank: a zero query head would still attend to it, so its output is not zero and the output "
+            f"projection's zero columns would be trained away. Use a mesh size that divides its {heads} heads: "
+            f"{mesh_sizes_dividing(heads)}.")
     if not rows or not columns:
         raise SurgeryError(
             f"surgery.tensor_parallel: '{where}' has {heads} heads, which a mesh of {world} does not divide, and its "

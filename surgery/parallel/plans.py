@@ -10,6 +10,7 @@ stock styles and plans back as the Python a user would type.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 from fnmatch import fnmatchcase
@@ -27,7 +28,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from surgery.core.checks import check_hooks, check_linear, check_model, mesh_sizes_dividing
+from surgery.core.checks import check_hooks, check_linear, check_model, check_parameter, mesh_sizes_dividing
 from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
@@ -35,6 +36,7 @@ from surgery.core.walk import find_modules, outermost
 from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
+from surgery.parallel.styles import ImplicitReplication, ShardParameters
 from surgery.parallel.transformers_plans import stock_plan
 
 Planned = list[tuple[str, nn.Module, dict]]
@@ -388,6 +390,8 @@ def linear_placements(style: ParallelStyle, module: nn.Module | None = None) -> 
         return {"weight": (Shard(1 if embedding else 0),), "bias": (Shard(0),)}
     if isinstance(style, RowwiseParallel):
         return {"weight": (Shard(0 if embedding else 1),), "bias": (Replicate(),)}
+    if isinstance(style, ShardParameters):
+        return {name: (placement,) for name, placement in style.placements.items()}
     return None
 
 
@@ -419,7 +423,7 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
         if check is None and is_attention(module) and isinstance(query_projection(module), nn.Linear):
             # query and key/value (GQA) heads split evenly, under a derived plan or a registered one without its
             # own check (QwenImage's plan for diffusers' generic `Attention` also covers Lumina2's GQA one)
-            check = check_derived_heads
+            check = functools.partial(check_derived_heads, plan=plan)
         check = check or transformers_check_heads
         if check is not None:
             check(module, path, world)
@@ -436,6 +440,10 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
             if placements is None:
                 continue
             linear_path = f"{path}.{key}" if path else key
+            if isinstance(style, ShardParameters):  # a module's own parameters (3-D expert weights), each its dim
+                for name, (placement,) in placements.items():
+                    _check_split_parameter(getattr(linear, name), f"{linear_path}.{name}", placement.dim, world)
+                continue
             check_linear(linear, linear_path, "tensor_parallel", embedding=isinstance(linear, nn.Embedding),
                          quantized=quant.quantized)
             check_hooks(linear, linear_path, "tensor_parallel", torch_hooks=False)
@@ -449,6 +457,16 @@ def check_plan(model: nn.Module, planned: Planned, world: int) -> None:
                     f"surgery.tensor_parallel: '{linear_path}' has {size} {what}, which a mesh of {world} cannot "
                     f"split evenly. Use a mesh size that divides {size}: {mesh_sizes_dividing(size)}."
                 )
+
+
+def _check_split_parameter(param, path: str, dim: int, world: int) -> None:
+    check_parameter(param, path, "tensor_parallel")
+    if param.shape[dim] % world:
+        raise SurgeryError(
+            f"surgery.tensor_parallel: '{path}' has {param.shape[dim]} entries along dim {dim}, which a mesh of "
+            f"{world} cannot split evenly. Use a mesh size that divides {param.shape[dim]}: "
+            f"{mesh_sizes_dividing(param.shape[dim])}."
+        )
 
 
 def check_whole_units(model: nn.Module, planned: Planned, given: str) -> None:
@@ -519,6 +537,9 @@ _STYLE_DEFAULTS = {
                                "desired_input_kwarg_layouts": None, "use_local_input": False,
                                "output_layouts": _REQUIRED, "desired_output_layouts": _REQUIRED,
                                "use_local_output": True},
+    # this library's two (surgery.parallel.styles): a module's own parameters, a stock forward run on DTensors
+    ShardParameters: {"placements": _REQUIRED},
+    ImplicitReplication: {"sum_output": False},
 }
 
 

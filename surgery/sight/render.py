@@ -66,7 +66,10 @@ def layout_rows(layout: list[dict]) -> list[dict]:
     and the replicated parameters under 1 MiB each (biases, norms) summed into one row."""
     rows, small = [], []
     for r in summarize_layout(layout):
-        row = dict(r, placement=_PLACEMENT_WORDS.get(r["placement"], r["placement"]))
+        # the words are a Linear's (2-D, out x in); another tensor's placement is said as DTensor says it (a MoE's
+        # 3-D experts: Shard(1), Shard(2))
+        said = len(r.get("global shape", ())) <= 2 or not str(r["placement"]).startswith("Shard")
+        row = dict(r, placement=_PLACEMENT_WORDS.get(r["placement"], r["placement"]) if said else r["placement"])
         if row["placement"] == "replicated" and r["bytes"] < SMALL:
             small.append(row)
         else:

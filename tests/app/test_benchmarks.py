@@ -9,6 +9,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
+import pytest
+
 import surgery
 from surgery.testing import FP32_TOL
 
@@ -17,6 +19,7 @@ SCRIPT = BENCHMARKS / "flux2.py"
 
 
 class Smoke(unittest.TestCase):
+    @pytest.mark.heavy  # the whole benchmark script at smoke size (~30 s): CI's second run
     def test_smoke_run_writes_every_section(self):
         with tempfile.TemporaryDirectory() as out:
             result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", out],

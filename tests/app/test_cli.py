@@ -8,6 +8,7 @@ import sys
 import unittest
 from unittest import mock
 
+import pytest
 from parameterized import parameterized
 
 from surgery.app.cli import main
@@ -25,6 +26,7 @@ class Demo(unittest.TestCase):
         self.assertIn("collectives per forward: 6 all_reduce", result.stdout)
         self.assertIn("OK: worst error", result.stdout)
 
+    @pytest.mark.heavy  # a second demo (~25 s, the same user path as the one above): CI's second run
     def test_flux3_demo(self):
         # the family added the new way (leaves and a head-dim processor twin) runs the same user path
         result = surgery_command("demo", "--model", "flux3")
@@ -120,7 +122,8 @@ class Output(unittest.TestCase):
         code, out = self.run_main("plan", "--model", "flux1-dev", "--show-plan")
         self.assertEqual(code, 0)
         scope: dict = {}
-        exec("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *", scope)
+        exec("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *; "
+             "from surgery.parallel.styles import *", scope)
         plan = eval(out, scope)  # the whole output is valid Python: comments and one dict
         self.assertEqual(type(plan["transformer_blocks.*.attn.to_q"]).__name__, "ColwiseParallel")
         self.assertIn('"single_transformer_blocks.*.proj_out.attn_part": '

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import PIL.Image
+import pytest
 import torch
-from parameterized import parameterized
 
 import pipeline_testing as P
 
@@ -33,8 +33,14 @@ class TorchrunExample(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    @parameterized.expand([("sharded_load", []), ("full_load", ["--full-load"])])
-    def test_two_ranks_save_the_single_device_image(self, _, extra):
+    def test_two_ranks_save_the_single_device_image_sharded_load(self):
+        self.check_image([])
+
+    @pytest.mark.heavy  # a second torchrun of the same pipeline (~20 s): CI's second run
+    def test_two_ranks_save_the_single_device_image_full_load(self):
+        self.check_image(["--full-load"])
+
+    def check_image(self, extra):
         out = Path(self.tmp.name) / f"image{len(extra)}.png"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                    str(EXAMPLE), "--model", str(self.folder), "--out", str(out), *ARGS, *extra]

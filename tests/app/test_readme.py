@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-TEST_COMMAND = "python -m pytest -q tests"
+TEST_COMMAND = "python -m pytest -q tests -n 2 --dist loadfile"
 
 
 class Readme(unittest.TestCase):

@@ -23,8 +23,8 @@ def _owner(key: str):
 class Drift(unittest.TestCase):
     def test_every_edit_fits_the_installed_source_exactly(self):
         surgery.core.registry.registered()  # builds every family's twins
-        keys = {**leaves.EDITS, **{f"{leaves.qualified(stock)}.{'__call__' if '__call__' in vars(twin) else 'forward'}":
-                                   None for stock, twin in leaves._twins.items()}}
+        keys = {**leaves.EDITS, **{f"{leaves.qualified(stock)}.{method}": None
+                                   for stock, twin in leaves._twins.items() for method in leaves.twin_methods(twin)}}
         for key in keys:
             stock, method = _owner(key)
             edits = leaves.edits_for(stock, method)
@@ -42,8 +42,8 @@ class Drift(unittest.TestCase):
     def test_every_twin_in_use_is_built_from_the_rule_or_a_listed_edit(self):
         surgery.core.registry.registered()
         for stock, twin in leaves._twins.items():
-            method = "__call__" if "__call__" in vars(twin) else "forward"
-            self.assertIsNotNone(leaves.edits_for(stock, method), leaves.qualified(stock))
+            for method in leaves.twin_methods(twin):
+                self.assertIsNotNone(leaves.edits_for(stock, method), leaves.qualified(stock))
             self.assertTrue(issubclass(twin, stock))
 
     def test_the_rule_reads_every_use_of_the_head_count(self):

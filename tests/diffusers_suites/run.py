@@ -124,6 +124,14 @@ FILES = {
     "stable-audio-3": {"model": ["tests/models/transformers/test_models_transformer_stable_audio3.py"]},
     "stable-audio": {"pipeline": ["tests/pipelines/stable_audio/test_stable_audio.py"]},
     "longcat-audio-dit": {"model": ["tests/models/transformers/test_models_transformer_longcat_audio_dit.py"]},
+    "minimax-music3": {"model": ["tests/models/transformers/test_models_transformer_minimax_music3.py"]},
+    "cosmos3": {"model": ["tests/models/transformers/test_models_transformer_cosmos3.py"]},
+    "anyflow-far": {"model": ["tests/models/transformers/test_models_transformer_anyflow_far.py"]},
+    "transformer-temporal": {"model": ["tests/models/transformers/test_models_transformer_temporal.py"]},
+    "nucleusmoe-image": {"model": ["tests/models/transformers/test_models_transformer_nucleusmoe_image.py"]},
+    # no model test file: the UNet's pipelines, whose DreamLiteTransformer2DModels are unfused as the UNet builds them
+    "dreamlite": {"pipeline": ["tests/pipelines/dreamlite/test_pipeline_dreamlite.py",
+                               "tests/pipelines/dreamlite/test_pipeline_dreamlite_mobile.py"]},
     # plans-only families: `unfuse` changes no module, so both runs must agree exactly (a check of the plugin)
     "ace-step": {"model": ["tests/models/transformers/test_models_transformer_ace_step.py"]},
     "qwen-image": {

@@ -33,7 +33,7 @@ from surgery.core.registry import model_class
 from surgery.core.slicing import group_by_fused
 from surgery.testing import rel_err, run_on_cpu_ranks
 from surgery.core.walk import find_modules
-from surgery.parallel.derive import KEYS, head_count, query_projection
+from surgery.parallel.derive import KEYS, head_count, query_projection, whole_key_values
 
 CASES = W.family_cases()
 TP_CASES = W.family_cases(tp_only=True)
@@ -247,11 +247,16 @@ class FullSize(unittest.TestCase):
 
 
 def head_counts(module: torch.nn.Module) -> list[int]:
-    """An attention's query heads and its key projection's heads (fewer under grouped-query attention)."""
+    """An attention's query heads and its key projection's heads (fewer under grouped-query attention), where the
+    plan splits them (a multi-query attention's one key/value head stays whole)."""
     heads, query = head_count(module), query_projection(module)
-    if heads is None or query is None:
+    if heads is None:
         return []
-    key = next((k for k in (getattr(module, name, None) for name in KEYS) if isinstance(k, torch.nn.Linear)), None)
+    if query is None:  # projections named the model's own way (SANA-WM's `qkv`, `q_linear`): its heads as stored
+        return [heads]
+    whole = whole_key_values(module)
+    key = next((k for k in (getattr(module, name, None) for name in KEYS if name not in whole)
+                if isinstance(k, torch.nn.Linear)), None)
     return [heads] + ([key.out_features // (query.out_features // heads)] if key is not None else [])
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import conformance_worker as W
 import surgery
 import surgery.core.rewrite
+from surgery.core.build import build
 from surgery.core.registry import model_class, tp_plan_for
 from surgery.testing import CollectiveCounter, assert_unchanged, rel_err, snapshot
 from surgery.parallel.distributed import fake_process_group
@@ -32,6 +33,7 @@ from surgery.parallel.derive import (
     is_attention,
     projection_plan,
     single_stream_parts,
+    whole_key_values,
 )
 
 STOCK = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -318,6 +320,29 @@ if __name__ == "__main__":
     unittest.main()
 
 
+class MultiQuery(unittest.TestCase):
+    def test_one_key_value_head_stays_whole_only_where_the_processor_runs_on_dtensors(self):
+        # DreamLite's attentions: 8 query heads over one key/value head. Under the processor its pipeline sets (it
+        # reads the head count: DTensor q/k/v), the one head is replicated and the queries split; under the model's own
+        # default processor (unfused: the head-dim twin, which reads local widths) nothing is kept whole, and the
+        # heads check refuses the mesh (a replicated key beside a twin's per-head norm would count its gradient twice)
+        # (also as many heads as each head's size, DreamLite's UNet tests' 8 of 8: a key as wide as a per-head gate)
+        family = W.families()["dreamlite"]
+        tiny = family.tests.configs["tiny"]
+        for config in (tiny, {**tiny, "attention_head_dim": tiny["num_attention_heads"]}):
+            with torch.device("meta"):
+                published = surgery.unfuse(build(family, config))
+                default = surgery.unfuse(model_class(family)(**config))
+            for name in ("attn1", "attn2"):
+                attention = published.transformer_blocks[0].get_submodule(name)
+                self.assertEqual(whole_key_values(attention), ("to_k", "to_v"))
+                plan = attention_plan(attention)
+                self.assertEqual(sorted(k for k in plan if k), ["to_out.0", "to_q"])
+                self.assertEqual(whole_key_values(default.transformer_blocks[0].get_submodule(name)), ())
+            with fake_process_group(2), self.assertRaisesRegex(surgery.SurgeryError, "attn1.to_k' holds 1 key/value"):
+                surgery.tensor_parallel(default, init_device_mesh("cpu", (2,)))
+
+
 class AllReduces(unittest.TestCase):
     @parameterized.expand([(f.name,) for f in W.conformant_families()])
     def test_all_reduces_read_off_the_plan_equal_the_familys_count(self, family_name):
@@ -325,7 +350,7 @@ class AllReduces(unittest.TestCase):
         family = W.families()[family_name]
         for config in family.tests.configs.values():
             with torch.device("meta"):  # the class as is: a test config may lie outside the published range
-                model = surgery.core.rewrite.unfuse(model_class(family)(**config))
+                model = surgery.core.rewrite.unfuse(build(family, config))
             styled = [(model.get_submodule(".".join(p for p in (path, key) if p)), style)
                       for path, _, plan in planned_for(model) for key, style in plan.items()]
             # planned modules the forward never calls make none (SANA-WM's refiner keeps LTX-2's audio stream unused)
@@ -343,3 +368,38 @@ class AllReduces(unittest.TestCase):
             # feed-forward on both streams): the exact number is what the conformance world-2 job measures
             self.assertGreaterEqual(family.tp.all_reduces(config), read)
             self.assertLessEqual(family.tp.all_reduces(config), 2 * read)
+
+
+class DepthwiseChannelsStyle(unittest.TestCase):
+    """`DepthwiseChannels`: a depthwise convolution over a heads-sharded width computes each rank's channels with its
+    own filters, forward and backward, with no collective (on torch's fake process group, rank 1 of 2: the values
+    need no other rank)."""
+
+    def test_rank_convolves_its_own_channels(self):
+        from diffusers.models.transformers.transformer_sana_wm import SanaWMTemporalShortConvolution
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        from surgery.parallel.derive import DepthwiseChannels
+        from surgery.parallel.distributed import fake_process_group
+        from surgery.testing import CollectiveCounter, rel_err
+
+        torch.manual_seed(0)
+        whole = SanaWMTemporalShortConvolution(hidden_size=8, kernel_size=3)
+        torch.nn.init.normal_(whole.weight)
+        x = torch.randn(2, 3 * 4, 8, requires_grad=True)  # 3 frames of 4 tokens, 8 channels
+        expected = whole(x, 3)
+        (expected * torch.arange(8.0)).sum().backward()
+        with fake_process_group(2, rank=1):
+            conv = parallelize_module(SanaWMTemporalShortConvolution(8, 3), init_device_mesh("cpu", (2,)),
+                                      DepthwiseChannels())
+            with torch.no_grad():
+                conv.weight.to_local().copy_(whole.weight[4:])
+            share = x.detach()[..., 4:].clone().requires_grad_(True)
+            with CollectiveCounter() as counter:
+                got = conv(share, 3)
+                (got * torch.arange(4.0, 8.0)).sum().backward()
+            self.assertEqual(counter.total, 0)
+            self.assertLessEqual(rel_err(got, expected[..., 4:]), 1e-6)
+            self.assertLessEqual(rel_err(share.grad, x.grad[..., 4:]), 1e-6)
+            self.assertLessEqual(rel_err(conv.weight.grad.to_local(), whole.weight.grad[4:]), 1e-6)

@@ -7,6 +7,7 @@ import re
 import tempfile
 import unittest
 
+import pytest
 import torch
 from parameterized import parameterized
 
@@ -197,28 +198,50 @@ class Loading(unittest.TestCase):
             self.assertGreater(row["files"] - 3, 1)  # config, generation config, index + several shards
 
 
+def recorded_pipelines() -> list:
+    """`(family, key)` for every pipeline a family records."""
+    from surgery.core.registry import families
+
+    return [(family, key) for family in families().values() for key in family.pipelines]
+
+
+def planned_models(key: str) -> list[str]:
+    """The `--model` names `plan --pipeline` plans for a recorded key: the key itself, or for a diffusers transformer
+    class, the default variant of each family holding it."""
+    import diffusers
+
+    from surgery.core.registry import families, model_names
+
+    if key in model_names():
+        return [key]
+    if not hasattr(diffusers, key):
+        return []
+    return [f.name for f in families().values() if f.variants
+            and (f.model_class if isinstance(f.model_class, str) else f.model_class.__name__).rpartition(".")[2] == key]
+
+
 class PipelinePlan(unittest.TestCase):
+    # a key that is no `--model` name (`bria-fibo-fibo`) made `plan --pipeline` refuse the family it records
+    def test_every_recorded_pipeline_names_a_model(self):
+        for family, key in recorded_pipelines():
+            with self.subTest(key=key):
+                self.assertTrue(planned_models(key), f"{family.name}: pipeline {key!r} names no model")
+
+    def test_a_model_name_and_a_transformer_class_are_planned(self):
+        self.check_planned([(f, k) for f, k in recorded_pipelines() if k in ("flux2-klein-4b", "WanTransformer3DModel")])
+
+    @pytest.mark.heavy  # every pipeline's encoders and transformer built on meta (~1.5 min): CI's second run
     def test_every_recorded_pipeline_is_planned_under_its_model_name(self):
-        # a key that is no `--model` name (`bria-fibo-fibo`) made `plan --pipeline` refuse the family it records
-        import diffusers
+        self.check_planned(recorded_pipelines())
 
-        from surgery.core.registry import families, model_names
-
-        names = set(model_names())
-        for family in families().values():
-            for key in family.pipelines:
-                with self.subTest(key=key):
-                    if key in names:
-                        planned = [key]
-                    else:  # a diffusers transformer class: the default variant of each family holding it
-                        self.assertTrue(hasattr(diffusers, key), key)
-                        planned = [f.name for f in families().values() if f.variants
-                                   and (f.model_class if isinstance(f.model_class, str)
-                                        else f.model_class.__name__).rpartition(".")[2] == key]
-                    for name in planned:
-                        rows = {r["component"] for r in pipeline_plan(name, 2)["components"]}
-                        self.assertIn("transformer", rows)
-                        self.assertTrue(set(family.pipelines[key]) - {"pipeline"} <= rows, rows)
+    def check_planned(self, pipelines):
+        self.assertTrue(pipelines)
+        for family, key in pipelines:
+            for name in planned_models(key):
+                with self.subTest(key=key, model=name):
+                    rows = {r["component"] for r in pipeline_plan(name, 2)["components"]}
+                    self.assertIn("transformer", rows)
+                    self.assertTrue(set(family.pipelines[key]) - {"pipeline"} <= rows, rows)
 
     def test_a_family_finds_its_pipeline_by_its_transformer_class(self):
         # the DiT families arrive separately: any family holding WanTransformer3DModel gets Wan's components

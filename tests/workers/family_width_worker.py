@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import surgery
-from surgery.core.build import default_dtype, keep_in_fp32
+from surgery.core.build import build, default_dtype, keep_in_fp32
 from surgery.core.errors import SurgeryError
 from surgery.core.registry import Family, families, model_class
 from surgery.parallel.plans import effective_plan, linear_placements
@@ -91,7 +91,7 @@ def on_meta(family: Family, config: dict) -> torch.nn.Module | None:
     Not `model_on_meta`: it refuses a count of 0, which the model classes take."""
     try:
         with torch.device("meta"):
-            model = model_class(family)(**config)
+            model = build(family, config)
     except (TypeError, ValueError, ZeroDivisionError, RuntimeError, IndexError, AttributeError, AssertionError):
         return None
     return surgery.unfuse(model)
@@ -206,7 +206,7 @@ def empty_model(family: Family, config: dict, dtype: torch.dtype) -> torch.nn.Mo
     from accelerate import init_empty_weights
 
     with default_dtype(dtype), init_empty_weights():
-        model = model_class(family)(**config)
+        model = build(family, config)
     for name, param in list(model.named_parameters()):
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf,

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 import surgery
 from surgery.sight.report import local
-from surgery.core.registry import families, model_class
+from surgery.core.build import build
+from surgery.core.registry import families
 from surgery.testing import CollectiveCounter, rel_err
 
 DTYPE = torch.bfloat16
@@ -56,7 +57,7 @@ def fast_seeded(family, config: dict, seed: int = 0, dtype: torch.dtype = DTYPE)
     generator = torch.Generator().manual_seed(seed)
     block = torch.randn(2 * PERIOD, generator=generator).to(dtype)
     with default_dtype(dtype), init_empty_weights():
-        model = model_class(family)(**config)
+        model = build(family, config)
     for name, param in list(model.named_parameters()):
         n = param.numel()
         start = int(torch.randint(PERIOD, (), generator=generator))
