@@ -399,7 +399,7 @@ def _show_plan(args: argparse.Namespace) -> int:
     print(f"# surgery.tensor_parallel's plan for {name}{size}: one block of each kind, '*' standing for\n"
           "# every block of its list. Edit it, then pass it: tensor_parallel(model, mesh, plan=...). Its names:\n"
           "# from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *;\n"
-          "# from surgery.parallel.styles import *")
+          "# from surgery.parallel.styles import *; from surgery.parallel.derive import *")
     print(plan_source(plan, comments))
     return 0
 

@@ -40,6 +40,10 @@ from surgery.core.split_projection import SplitProjection
 from surgery.parallel.dtensor_attention import ImplicitReplication
 from surgery.parallel.styles import SPLIT_PROJECTION_TP_PLAN, under
 
+# the styles a family's plan may name (`surgery plan --show-plan` prints them; they have literal forms)
+__all__ = ["AcrossHeadsNorm", "ColwiseIntoHeads", "DepthwiseChannels", "HeadsInputs", "PerHeadParameters",
+           "RowwiseIntoHeads"]
+
 # diffusers' spellings of an attention's parts, each read as its role so that no family names them: its shared
 # `Attention`'s, the `_t` (text stream) and `*_rms_norm` ones of attentions written beside their model (HiDream's),
 # Kandinsky 5's `to_query/to_key/to_value/out_layer` and `query_norm/key_norm`, LongCat-AudioDiT's `q_norm/k_norm`;

@@ -33,7 +33,9 @@ from surgery.core.errors import SurgeryError
 from surgery.core.heads_padding import refusal_hint
 from surgery.core.registry import refused_reason, replicated_for, tp_plan_for, tp_plans
 from surgery.core.walk import find_modules, outermost
-from surgery.parallel.derive import Refused, check_derived_heads, derived, is_attention, query_projection
+from surgery.parallel.derive import (AcrossHeadsNorm, ColwiseIntoHeads, DepthwiseChannels, HeadsInputs, PerHeadParameters,
+                                     Refused, RowwiseIntoHeads, check_derived_heads, derived, is_attention,
+                                     query_projection)
 from surgery.parallel import quantized as quant
 from surgery.parallel.transformers_plans import check_heads as transformers_check_heads
 from surgery.parallel.styles import ImplicitReplication, ShardParameters
@@ -540,6 +542,13 @@ _STYLE_DEFAULTS = {
     # this library's two (surgery.parallel.styles): a module's own parameters, a stock forward run on DTensors
     ShardParameters: {"placements": _REQUIRED},
     ImplicitReplication: {"sum_output": False},
+    # the ones a family's plan may name from surgery.parallel.derive (SANA-WM's); "*names": positional arguments
+    AcrossHeadsNorm: {"use_local_output": True, "statistics": 1},
+    PerHeadParameters: {"*names": _REQUIRED},
+    DepthwiseChannels: {},
+    ColwiseIntoHeads: {},
+    RowwiseIntoHeads: {},
+    HeadsInputs: {"local": (), "whole": ()},
 }
 
 
@@ -587,12 +596,15 @@ def style_source(style: ParallelStyle) -> str:
     defaults = _STYLE_DEFAULTS.get(cls)
     if defaults is None:
         raise SurgeryError(f"surgery: {cls.__qualname__} is not a stock torch style; it has no literal form here.")
-    arguments = {name: _argument(style, name) for name in defaults}
+    positional = tuple(getattr(style, name[1:]) for name in defaults if name.startswith("*"))
+    positional = positional[0] if positional else ()
+    arguments = {name: _argument(style, name) for name in defaults if not name.startswith("*")}
     arguments = {name: value for name, value in arguments.items()
                  if defaults[name] is _REQUIRED or type(value) is not type(defaults[name]) or value != defaults[name]}
-    if style_state(cls(**arguments)) != style_state(style):
+    if style_state(cls(*positional, **arguments)) != style_state(style):
         raise SurgeryError(f"surgery: this {cls.__name__} has no literal form here ({vars(style)}).")
-    return f"{cls.__name__}({', '.join(f'{name}={_source(value)}' for name, value in arguments.items())})"
+    written = [_source(value) for value in positional] + [f"{name}={_source(value)}" for name, value in arguments.items()]
+    return f"{cls.__name__}({', '.join(written)})"
 
 
 def plan_source(plan: dict[str, ParallelStyle], comments: dict[str, str] | None = None) -> str:

@@ -40,7 +40,7 @@ from surgery_rewrites.flux2 import FAMILY, FEED_FORWARD_TP_PLAN, PARALLEL_SELF_A
 CONFIG = "tp_wide"  # 2 double, 2 single blocks, 8 heads: splits over 2 ranks
 from surgery.testing import FP32_TOL
 NAMES = ("from torch.distributed.tensor import *; from torch.distributed.tensor.parallel import *; "
-         "from surgery.parallel.styles import *")
+         "from surgery.parallel.styles import *; from surgery.parallel.derive import *")
 
 
 def literal(text: str) -> dict:
