@@ -449,25 +449,34 @@ def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, ex
 # --- under tensor parallelism (diffusers runs its hooks on whatever the blocks return) ---------------------------------
 
 TP_FEATURES = ["first_block", "taylorseer", "mag", "layer_skip"]
+# The default tier runs each family under one feature, in turn (every family sharded under a hook, every feature on a
+# quarter of the families); the heavy tier runs the other three for every family.
+ROTATION = {name: TP_FEATURES[i % len(TP_FEATURES)] for i, (name, _) in enumerate(CASES)}
+
+
+def _heavy(family_name: str, feature: str) -> bool:
+    return feature not in (ROTATION[family_name], "regional_compile")
 
 
 @functools.lru_cache(maxsize=None)
-def tp_results() -> list[dict]:
-    """One gloo job at world 2: each family's unfused model sharded, with each feature, against the stock model with
-    the same feature on one device; plus regional compile (eager backend) for one family."""
+def tp_results(heavy: bool) -> list[dict]:
+    """One gloo job at world 2: each family's unfused model sharded, with each feature of the tier, against the stock
+    model with the same feature on one device; plus regional compile (eager backend) for one family."""
     # plans-only families too: their sharded model against the single-device one is a real comparison
-    cases = [(n, c, TP_FEATURES) for n, c in CASES]
-    compile_case = next(n for n, c, _ in cases
-                        if surgery.extend.families()[n].rewrites and getattr(surgery.extend.families()[n].model_class,
-                                                                      "_repeated_blocks", None))
-    cases = [(n, c, f + ["regional_compile"] if n == compile_case else f) for n, c, f in cases]
+    cases = [(n, c, [f for f in TP_FEATURES if _heavy(n, f) == heavy]) for n, c in CASES]
+    if not heavy:
+        compile_case = next(n for n, c, _ in cases
+                            if surgery.extend.families()[n].rewrites
+                            and getattr(surgery.extend.families()[n].model_class, "_repeated_blocks", None))
+        cases = [(n, c, f + ["regional_compile"] if n == compile_case else f) for n, c, f in cases]
     return run_on_cpu_ranks(TPW.run, 2, cases)
 
 
-@pytest.mark.parametrize("feature", TP_FEATURES + ["regional_compile"])
-@pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
+@pytest.mark.parametrize("family_name,config_name,feature", [
+    pytest.param(n, c, f, id=f"{n}-{f}", marks=[pytest.mark.heavy] if _heavy(n, f) else [])
+    for n, c in CASES for f in TP_FEATURES + ["regional_compile"]])
 def test_feature_under_tensor_parallel(family_name, config_name, feature):
-    results = tp_results()
+    results = tp_results(_heavy(family_name, feature))
     key = f"{family_name}/{feature}"
     if key not in results[0]:
         pytest.skip("regional compile under TP runs for one family only (dynamo is slow on 2 cores)")

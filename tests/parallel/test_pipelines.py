@@ -6,6 +6,7 @@ import functools
 import unittest
 
 import PIL.Image
+import pytest
 import torch
 from diffusers.models.attention_dispatch import AttentionBackendName
 
@@ -83,6 +84,7 @@ class TextEncoder(unittest.TestCase):
             self.assertRegex(result["kv_heads_refusal"], r"num_key_value_heads=1, which a mesh of 2 cannot split")
 
 
+@pytest.mark.heavy  # inductor compiles for ~30 s a process; diffusers' regional compile (eager) is in the default tier
 class Compile(unittest.TestCase):
     def test_unfused_model_compiles_and_matches_eager(self):
         config = dict(small_config("klein9b_small"), num_single_layers=1)
@@ -94,7 +96,7 @@ class Compile(unittest.TestCase):
         self.assertLessEqual(rel_err(compiled, eager), FP32_TOL)
 
     def test_tensor_parallel_model_compiles_and_matches(self):
-        for result in two_ranks():
+        for result in run_on_cpu_ranks(pipeline_worker.run_compiled, 2):
             self.assertIsInstance(result["compiled_tp"], float, result["compiled_tp"])
             self.assertLessEqual(result["compiled_tp"], FP32_TOL)
 

@@ -70,7 +70,8 @@ def gradients(model: nn.Module, kw: dict, seed: int) -> tuple[dict, dict]:
     """Input and parameter gradients of a seeded random projection of the output."""
     kw = {k: v.detach().clone().requires_grad_(True) if k in floating_inputs(kw) else v for k, v in kw.items()}
     out = output(model, kw)
-    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)).sum().backward()
+    # drawn in float32 whatever the output's dtype, so that a float64 run is projected on the same vector
+    (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype)).sum().backward()
     params = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
               for n, p in model.named_parameters() if p.grad is not None}
     return {k: kw[k].grad for k in floating_inputs(kw)}, params
@@ -128,7 +129,22 @@ def tp_case(rank: int, world: int, family_name: str, config_name: str, seed: int
     result["grad_keys_match"] = sorted(tp) == sorted(ref)
     result["param_grads"] = max(gradient_errors(tp, ref).values())
     result["input_grads"] = max((rel_err(tp_in[k], g) for k, g in ref_in.items()), default=0.0)
+    if max(result["param_grads"], result["input_grads"]) > grad_tolerance(family):
+        with flex_as(family.tests.flex_backward):
+            result["float64"] = float64_errors(fused, kw, seed, stock=(ref_in, ref), sharded=(tp_in, tp))
     return result
+
+
+def float64_errors(fused: nn.Module, kw: dict, seed: int, **gradients_by_run: tuple[dict, dict]) -> dict[str, float]:
+    """How far each run's (input, parameter) gradients are from the single-device model's in float64. An
+    ill-conditioned gradient carries more of float32's rounding than the bound in the stock model itself
+    (LongCat-AudioDiT's self-attention `q_norm` weight: 3.8e-5 from float64; the sharded one at world 4 is 5.9e-5 from
+    stock and 2.2e-5 from float64): there, the sharded model is held to being no further from float64 than stock is."""
+    kw64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in kw.items()}
+    inputs64, params64 = gradients(copy.deepcopy(fused).double(), kw64, seed)
+    return {run: max([*gradient_errors(params, params64).values(),
+                      *(rel_err(ins[k].double(), g) for k, g in inputs64.items())])
+            for run, (ins, params) in gradients_by_run.items()}
 
 
 def tp_load_case(rank: int, world: int, family_name: str, config_name: str, seed: int, folder: str) -> dict:

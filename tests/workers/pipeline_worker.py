@@ -36,7 +36,13 @@ def run(rank: int, world: int) -> dict:
         out["kv_heads_refusal"] = None
     except surgery.SurgeryError as error:
         out["kv_heads_refusal"] = str(error)
+    return out
 
+
+def run_compiled(rank: int, world: int) -> dict:
+    """torch.compile (inductor) of a sharded model: its own job, in the heavy tier (each rank compiles for ~30 s)."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
     config = dict(small_config("tp_wide"), num_layers=1, num_single_layers=1)
     kw = inputs(config, 0)
     with torch.no_grad():
