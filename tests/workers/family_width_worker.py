@@ -285,7 +285,7 @@ def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[to
             ref["out"], ref["inputs"] = backward(model, inputs_at(family, config, tokens, torch.float32))
         # NameError: a module diffusers imports only where installed (Cosmos's padding mask is resized by torchvision's
         # `transforms`): stock itself cannot run, the test says why. KeyError: features the inputs lack (RFD4's
-        # `token_type`): a failed test, not a dead job
+        # `token_type` did, before its example inputs gave the released features theirs): a failed test, not a dead job
         except (RuntimeError, ValueError, AssertionError, IndexError, NameError, KeyError) as error:
             ref["token_errors"].append(f"{tokens}: {str(error).splitlines()[0][:120]}")
             model.zero_grad(set_to_none=True)
