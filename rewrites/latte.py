@@ -20,10 +20,13 @@ from surgery_rewrites.diffusers_common import GENERIC, cast_inputs
 def latte_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8, seed: int = 0,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict:
     """Seeded keyword arguments for `LatteTransformer3DModel.forward`: a video latent of `image_tokens` patches over
-    the config's `video_length` frames (its temporal position table is that long), the T5 text, a timestep."""
+    the config's `video_length` frames (its temporal position table is that long), at least 2 patches a frame, the
+    T5 text, a timestep. Its spatial blocks attend within a frame: with one patch a frame their softmax is constant,
+    the q/k gradients exactly zero and any error of them rounding noise (the published width's 4 tokens over 16
+    frames read 1.5 there, docs/width.md)."""
     generator = torch.Generator().manual_seed(seed)
     frames = config.get("video_length", 16)
-    per_frame = max(1, image_tokens // frames)
+    per_frame = max(2, image_tokens // frames)
     height = max(d for d in range(1, math.isqrt(per_frame) + 1) if per_frame % d == 0)
     width = per_frame // height
     patch = config.get("patch_size", 2)

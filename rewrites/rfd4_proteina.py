@@ -15,6 +15,7 @@ between trunk layers).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 
 import torch
@@ -61,9 +62,44 @@ def rfd4_proteina_inputs(config: dict, batch: int = 1, image_tokens: int = 16, t
         local_latents=torch.randn(batch, tokens, config.get("latent_dim", 32), generator=generator),
         bb_ca_time=torch.rand(batch, generator=generator), local_latents_time=torch.rand(batch, generator=generator),
     )
-    conditioning = {"is_in_context_conditioning": torch.zeros(batch, tokens, dtype=torch.bool, device=device),
-                    "supports_local_latent": torch.ones(batch, tokens, dtype=torch.bool, device=device)}
-    return {**cast_inputs(inputs, dtype, device), "padding_mask": mask.to(device), "conditioning": conditioning}
+    conditioning = {"is_in_context_conditioning": torch.zeros(batch, tokens, dtype=torch.bool),
+                    "supports_local_latent": torch.ones(batch, tokens, dtype=torch.bool)}
+    topology = released_features(config, batch, tokens, torch.Generator().manual_seed(seed + 1))
+    extra = {k: topology.pop(k) for k in ("token_type", "atom37_mask") if k in topology}
+    conditioning = {k: v.to(device) for k, v in {**conditioning, **topology}.items()}
+    return {**cast_inputs(inputs, dtype, device), "padding_mask": mask.to(device),
+            **{k: v.to(device) for k, v in extra.items()}, "conditioning": conditioning}
+
+
+def released_features(config: dict, batch: int, tokens: int, generator: torch.Generator) -> dict:
+    """The prepared tensors that the features `config` configures read and cannot do without (the class's defaults,
+    the released checkpoint's lists: its token types, the atom37 mask and the atom-level interaction annotations
+    (`KeyError` when absent), the bond path lengths, molecule and entity ids, index groups), seeded; none for
+    features that read nothing absent (the tiny config's). Drawn from their own `generator`, after the inputs every
+    config takes."""
+    defaults = {k: p.default for k, p in inspect.signature(rfd.RFD4ProteinaTransformer.__init__).parameters.items()}
+    names = {n for key in ("feats_seq", "feats_cond_seq", "feats_pair_repr", "feats_pair_cond")
+             for n in config.get(key, defaults[key])}
+    atoms = (batch, tokens, 37)
+    out = {}
+    if names & {"token_type", "atom_charge", "atomic_element"}:
+        out["token_type"] = torch.randint(config.get("num_token_types", 7), (batch, tokens), generator=generator)
+    interactions = {"hbond_modernized": ("hbond", 4), "pication": ("pication", 4), "pistack": ("pistack", 2),
+                    "saltbridge": ("saltbridge", 2), "hydrophobic": ("hydrophobic", 2),
+                    "metal_coord": ("metal_coord", 2)}
+    if names & {*interactions, "rasa_binned", "hotspot"}:
+        out["atom37_mask"] = torch.rand(atoms, generator=generator) < 0.5
+    for feature, (key, values) in interactions.items():
+        if feature in names:
+            out[rfd.CONDITION_KEYS[key]] = torch.randint(values, atoms, generator=generator)
+    if "token_bond_path_length" in names:
+        index = torch.arange(tokens)
+        out["token_bond_path_length"] = (index[:, None] - index[None, :]).abs().expand(batch, tokens, tokens)
+    for feature, key in (("molecule_idx_pair", "molecule_iid"), ("molecule_entity_pair", "molecule_entity_id"),
+                         ("index_group_pair", rfd.CONDITION_KEYS["index_group"])):
+        if feature in names:
+            out[key] = torch.randint(2, (batch, tokens), generator=generator)
+    return out
 
 
 FAMILY = derived_family(

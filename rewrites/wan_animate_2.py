@@ -27,18 +27,22 @@ def wan_animate_2_inputs(config: dict, batch: int = 1, image_tokens: int = 16, t
                          frames: int = 2, **_) -> dict:
     """Seeded keyword arguments of the reference pass (`kv_cache_mode="extract"`, the pass that fills a fresh
     `WanAnimate2KVCache`), as diffusers' own test drives it: per sample a latent of `frames` frames with
-    `image_tokens` patches each, its conditioning latents (the in channels less the latent's), the text tokens, and
-    the CLIP image tokens."""
+    `image_tokens` patches each, its conditioning latents (the in channels less the latent's), the text, and the CLIP
+    image tokens. The text fills the model's `text_len` whatever `text_tokens` asks (a longer one cannot run): the
+    forward pads a shorter one with zero rows, all alike after the text embedding, whose like keys make a cross
+    attention's key-norm gradient a sum of terms that cancel to rounding (4 text tokens at the published width:
+    1.1e-03 of it off between sharded and whole, docs/width.md)."""
     generator = torch.Generator().manual_seed(seed)
     side = int(image_tokens ** 0.5)
     ph, pw = config.get("patch_size", (1, 2, 2))[1:]
     latent = config.get("out_dim", 16)
     condition = config.get("in_dim", 36) - latent
     shape = (frames, side * ph, side * pw)
+    text_len = config.get("text_len", 512)
     inputs = dict(
         hidden_states=[torch.randn(latent, *shape, generator=generator) for _ in range(batch)],
         condition_latents=[torch.randn(condition, *shape, generator=generator) for _ in range(batch)],
-        encoder_hidden_states=[torch.randn(text_tokens, config.get("text_dim", 4096), generator=generator)
+        encoder_hidden_states=[torch.randn(text_len, config.get("text_dim", 4096), generator=generator)
                                for _ in range(batch)],
         timestep=torch.ones(batch),
         encoder_hidden_states_image=torch.randn(batch, 4, CLIP_DIM, generator=generator),

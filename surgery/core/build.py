@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect as pyinspect
+import math
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -109,8 +110,9 @@ def check_config(family: Family, config: dict) -> None:
 def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """`family`'s model built from `config`, every weight (norm scales and biases too) drawn from `seed`, in eval mode.
 
-    Matrices are N(0, 1/fan_in), vectors N(1, 0.1): no parameter is left at an initializer's zeros or ones, so a
-    rewrite that dropped or swapped one shows in the outputs.
+    Matrices are N(0, 1/fan_in) (N(0, 1) where the module scales its weight itself, `self_scaled`), vectors
+    N(1, 0.1): no parameter is left at an initializer's zeros or ones, so a rewrite that dropped or swapped one shows
+    in the outputs.
     """
     torch.manual_seed(seed)
     with default_dtype(dtype):
@@ -124,12 +126,25 @@ def seeded_model(family: Family, config: dict, seed: int = 0, dtype: torch.dtype
             if name in persistent and buffer.is_floating_point() and buffer.dtype != dtype:
                 module, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(module), leaf, buffer.to(dtype))
+        scaled = {id(m.weight) for m in model.modules() if self_scaled(m)}
         for param in model.parameters():
             if param.dim() > 1:
-                param.normal_(0.0, param.shape[-1] ** -0.5)
+                param.normal_(0.0, 1.0 if id(param) in scaled else param.shape[-1] ** -0.5)
             else:
                 param.normal_(1.0, 0.1)
     return keep_in_fp32(model).eval()
+
+
+def self_scaled(module: nn.Module) -> bool:
+    """Whether `module` multiplies its `weight` by 1/sqrt(fan in) itself in its forward, its `scale` (StyleGAN's
+    equalized learning rate: WanAnimate's motion encoder, `MotionConv2d` and `MotionLinear`, whose constructors draw
+    the weight N(0, 1)). Seeded N(0, 1) as well: N(0, 1/fan_in) there scales the weight twice, each 512-wide
+    `MotionLinear` passing its input on 512**0.5-fold smaller: the motion features were their seeded biases whatever
+    the face video (at the published width another random face moved the motion vector by 1e-07 of it; 2e-03 seeded
+    N(0, 1))."""
+    weight, scale = getattr(module, "weight", None), getattr(module, "scale", None)
+    return (isinstance(weight, nn.Parameter) and weight.dim() > 1 and isinstance(scale, float)
+            and math.isclose(scale, weight[0].numel() ** -0.5))
 
 
 def tuple_output(model: nn.Module) -> dict:

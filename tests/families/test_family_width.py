@@ -149,8 +149,9 @@ def record(name: str, world: int, run: W.Run, by_rank: list[dict]) -> None:
     row[f"w{world}"].update({
         "largest": by_rank[0]["largest_reached"], "seconds": by_rank[0]["seconds"],
         "peak_gb": round(sum(r["peak"] for r in by_rank) / 2**30, 2)})
+    table = dict(sorted(table.items()))  # a family recorded for the first time in its place, in both files
     with open(path, "w") as f:
-        json.dump(dict(sorted(table.items())), f, indent=1)
+        json.dump(table, f, indent=1)
     with open(TABLE, "w") as f:
         f.write(W.markdown(table, CAP))
 

@@ -247,9 +247,30 @@ def backward(model, kw: dict) -> tuple[torch.Tensor, dict]:
     return out.detach(), {k: kw[k].grad for k in floating_inputs(kw)}
 
 
-def bf16(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` in bfloat16 (the modules diffusers keeps in float32 stay there), as a bf16 checkpoint loads."""
-    return keep_in_fp32(model.to(torch.bfloat16))
+def non_persistent(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s floating buffers no checkpoint holds (`persistent=False`: rotary frequency tables, blur kernels)."""
+    persistent = model.state_dict(keep_vars=True)
+    return {name: b for name, b in model.named_buffers() if name not in persistent and b.is_floating_point()}
+
+
+def bf16(model: torch.nn.Module, family: Family, config: dict) -> torch.nn.Module:
+    """`model` in bfloat16 as `from_pretrained(torch_dtype=torch.bfloat16)` loads it: parameters and persistent
+    buffers in bf16, the modules diffusers keeps in float32 there (`keep_in_fp32`), and the buffers no checkpoint
+    holds as the constructor makes them under that default dtype, not cast: `.to(torch.bfloat16)` would round
+    Ideogram 4's float32 rotary `inv_freq` too, and its image positions (offset 65536) with it (0.12 of the output
+    against the model as loaded). A buffer the rewrites reshaped is cast."""
+    from accelerate import init_empty_weights
+
+    with default_dtype(torch.bfloat16), init_empty_weights():  # parameters on meta, buffers computed
+        built = non_persistent(build(family, config))
+    own = non_persistent(model)
+    model.to(torch.bfloat16)
+    for name, buffer in own.items():
+        value = built.get(name)
+        if value is not None and value.shape == buffer.shape:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, value)
+    return keep_in_fp32(model)
 
 
 def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[torch.nn.Module, dict]:
@@ -264,7 +285,7 @@ def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[to
             ref["out"], ref["inputs"] = backward(model, inputs_at(family, config, tokens, torch.float32))
         # NameError: a module diffusers imports only where installed (Cosmos's padding mask is resized by torchvision's
         # `transforms`): stock itself cannot run, the test says why. KeyError: features the inputs lack (RFD4's
-        # `token_type`): a failed test, not a dead job
+        # `token_type` did, before its example inputs gave the released features theirs): a failed test, not a dead job
         except (RuntimeError, ValueError, AssertionError, IndexError, NameError, KeyError) as error:
             ref["token_errors"].append(f"{tokens}: {str(error).splitlines()[0][:120]}")
             model.zero_grad(set_to_none=True)
@@ -286,8 +307,10 @@ def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[to
     if half and "tokens" in ref:
         copy = empty_model(family, config, torch.bfloat16)  # not a deep copy: that would hold a second fp32 model
         whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        with torch.no_grad():
-            for name, tensor in [*copy.named_parameters(), *copy.named_buffers()]:
+        persistent = copy.state_dict(keep_vars=True)
+        with torch.no_grad():  # what a checkpoint holds; the buffers it does not, as constructed in bf16 (`bf16`)
+            for name, tensor in [*copy.named_parameters(),
+                                 *((n, b) for n, b in copy.named_buffers() if n in persistent)]:
                 tensor.copy_(whole[name])
             ref["bf16"] = output(copy, inputs_at(family, config, ref["tokens"], torch.bfloat16))
     return model, ref
@@ -458,7 +481,8 @@ def sharded(rank: int, mesh, family: Family, config: dict, half: bool, model, re
     lap("sharded")
     if half:
         with torch.no_grad():
-            r["bf16"] = rel(output(bf16(model), inputs_at(family, config, r["tokens"], torch.bfloat16)), ref["bf16"])
+            half_model = bf16(model, family, config)
+            r["bf16"] = rel(output(half_model, inputs_at(family, config, r["tokens"], torch.bfloat16)), ref["bf16"])
     lap("bf16")
     r["laps"] = laps
     return r

@@ -52,17 +52,21 @@ def fast_seeded(family, config: dict, seed: int = 0, dtype: torch.dtype = DTYPE)
     `seeded_model` costs ~25 s per GB on one core; this ~2 s."""
     from accelerate import init_empty_weights
 
-    from surgery.core.build import default_dtype
+    from surgery.core.build import default_dtype, self_scaled
 
     generator = torch.Generator().manual_seed(seed)
     block = torch.randn(2 * PERIOD, generator=generator).to(dtype)
     with default_dtype(dtype), init_empty_weights():
         model = build(family, config)
+    scaled = {f"{path}.weight" for path, module in model.named_modules() if self_scaled(module)}
     for name, param in list(model.named_parameters()):
         n = param.numel()
         start = int(torch.randint(PERIOD, (), generator=generator))
         period = block[start:start + PERIOD]
-        period = period * param.shape[-1] ** -0.5 if param.dim() > 1 else period * 0.1 + 1.0
+        if param.dim() > 1:  # N(0, 1) where the module scales its weight itself (`self_scaled`)
+            period = period if name in scaled else period * param.shape[-1] ** -0.5
+        else:
+            period = period * 0.1 + 1.0
         value = torch.empty(n, dtype=dtype)
         for at in range(0, n, PERIOD):
             value[at:at + PERIOD] = period[:min(PERIOD, n - at)]
