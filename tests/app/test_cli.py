@@ -19,6 +19,8 @@ def surgery_command(*args: str) -> subprocess.CompletedProcess:
 
 
 class Demo(unittest.TestCase):
+    # 3 processes, ~20 s: CI's first step runs the README's `surgery demo` itself (.ci/run), its second the report here
+    @pytest.mark.heavy
     def test_demo_runs_and_reports(self):
         result = surgery_command("demo", "--layers", "1", "--single-layers", "2", "--head-dim", "8")
         self.assertEqual(result.returncode, 0, result.stderr[-2000:])

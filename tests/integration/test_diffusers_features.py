@@ -25,6 +25,19 @@ from surgery.testing import rel_err, run_on_cpu_ranks
 TOL = W.FP32_TOL
 CASES = [(f.name, next(iter(f.tests.configs))) for f in W.conformant_families()]
 IDS = [name for name, _ in CASES]
+TURN = {name: i for i, (name, _) in enumerate(CASES)}
+
+
+def heavy_in_turn(family_name: str, kinds: list[str], kind: str) -> bool:
+    """Where a feature comes in kinds (caches, skips, hooks under TP), the default tier runs each family with one kind,
+    in turn: every family under one, every kind on 1/len(kinds) of the families; the heavy tier runs the rest."""
+    return kinds.index(kind) != TURN[family_name] % len(kinds)
+
+
+def in_turn(kinds: list[str]) -> list:
+    """(family, config, kind) cases, marked heavy where `heavy_in_turn`."""
+    return [pytest.param(n, c, k, id=f"{n}-{k}", marks=[pytest.mark.heavy] if heavy_in_turn(n, kinds, k) else [])
+            for n, c in CASES for k in kinds]
 
 
 def build(family_name: str, config_name: str, seed: int = 0):
@@ -227,8 +240,7 @@ def cached_run(model, family, config, kind):
     return hooks, outs
 
 
-@pytest.mark.parametrize("kind", CACHES)
-@pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
+@pytest.mark.parametrize("family_name,config_name,kind", in_turn(CACHES))
 def test_cache(family_name, config_name, kind):
     family, config, stock, unfused = build(family_name, config_name)
     hooks, ref = on_stock(f"the {kind} cache", lambda m: cached_run(m, family, config, kind), stock)
@@ -248,8 +260,7 @@ SKIPS = {
 }
 
 
-@pytest.mark.parametrize("skip", list(SKIPS))
-@pytest.mark.parametrize("family_name,config_name", CASES, ids=IDS)
+@pytest.mark.parametrize("family_name,config_name,skip", in_turn(list(SKIPS)))
 def test_layer_skip(family_name, config_name, skip):
     from diffusers.hooks import LayerSkipConfig, apply_layer_skip
 
@@ -449,13 +460,10 @@ def test_save_lora_adapter_with_bias_or_dora_on_modules_never_split(tmp_path, ex
 # --- under tensor parallelism (diffusers runs its hooks on whatever the blocks return) ---------------------------------
 
 TP_FEATURES = ["first_block", "taylorseer", "mag", "layer_skip"]
-# The default tier runs each family under one feature, in turn (every family sharded under a hook, every feature on a
-# quarter of the families); the heavy tier runs the other three for every family.
-ROTATION = {name: TP_FEATURES[i % len(TP_FEATURES)] for i, (name, _) in enumerate(CASES)}
 
 
 def _heavy(family_name: str, feature: str) -> bool:
-    return feature not in (ROTATION[family_name], "regional_compile")
+    return feature != "regional_compile" and heavy_in_turn(family_name, TP_FEATURES, feature)
 
 
 @functools.lru_cache(maxsize=None)
