@@ -480,9 +480,8 @@ def tp_results(heavy: bool) -> list[dict]:
     return run_on_cpu_ranks(TPW.run, 2, cases)
 
 
-@pytest.mark.parametrize("family_name,config_name,feature", [
-    pytest.param(n, c, f, id=f"{n}-{f}", marks=[pytest.mark.heavy] if _heavy(n, f) else [])
-    for n, c in CASES for f in TP_FEATURES + ["regional_compile"]])
+@pytest.mark.parametrize("family_name,config_name,feature", in_turn(TP_FEATURES) + [
+    pytest.param(n, c, "regional_compile", id=f"{n}-regional_compile") for n, c in CASES])
 def test_feature_under_tensor_parallel(family_name, config_name, feature):
     results = tp_results(_heavy(family_name, feature))
     key = f"{family_name}/{feature}"
