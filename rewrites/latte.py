@@ -23,7 +23,7 @@ def latte_inputs(config: dict, batch: int = 1, image_tokens: int = 16, text_toke
     the config's `video_length` frames (its temporal position table is that long), at least 2 patches a frame, the
     T5 text, a timestep. Its spatial blocks attend within a frame: with one patch a frame their softmax is constant,
     the q/k gradients exactly zero and any error of them rounding noise (the published width's 4 tokens over 16
-    frames read 1.5 there, docs/width.md)."""
+    frames read 1.5 there)."""
     generator = torch.Generator().manual_seed(seed)
     frames = config.get("video_length", 16)
     per_frame = max(2, image_tokens // frames)

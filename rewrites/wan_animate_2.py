@@ -31,7 +31,7 @@ def wan_animate_2_inputs(config: dict, batch: int = 1, image_tokens: int = 16, t
     image tokens. The text fills the model's `text_len` whatever `text_tokens` asks (a longer one cannot run): the
     forward pads a shorter one with zero rows, all alike after the text embedding, whose like keys make a cross
     attention's key-norm gradient a sum of terms that cancel to rounding (4 text tokens at the published width:
-    1.1e-03 of it off between sharded and whole, docs/width.md)."""
+    1.1e-03 of it off between sharded and whole)."""
     generator = torch.Generator().manual_seed(seed)
     side = int(image_tokens ** 0.5)
     ph, pw = config.get("patch_size", (1, 2, 2))[1:]

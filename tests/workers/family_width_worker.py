@@ -39,17 +39,18 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import surgery
 from surgery.core.build import build, default_dtype, keep_in_fp32
 from surgery.core.errors import SurgeryError
+from surgery.core.heads_padding import refusal_hint
 from surgery.core.registry import Family, families, model_class
 from surgery.parallel.plans import effective_plan, linear_placements
 from surgery.testing import flex_as
 
-from conformance_worker import floating_inputs, output
+from conformance_worker import floating_inputs, grad_tolerance, output
 from published_width_worker import fast_seeded, reset_peak, status
 
 DEPTH = re.compile(r"(num_|n_)?\w*(layers|blocks)|\w*depth")
@@ -73,6 +74,36 @@ def one_block_each(family: Family, config: dict) -> dict:
             cut = value[:kept] if len(value) == blocks else [i for i in value if i < 1]
             out[key] = type(value)(cut)
     return out
+
+
+# Arguments that count tokens, not widths: a vocabulary's rows; the positions of a learned positional table, which
+# then takes only its own grid (CogVideoX-style: frames, height, width and text length). Kept this small where they
+# shape no tensor the run cuts (`few_tokens`).
+TOKEN_COUNTS = {"vocab_size": 1024, "max_text_seq_length": 4, "sample_frames": 1, "sample_height": 4, "sample_width": 4}
+
+
+def few_tokens(family: Family, config: dict) -> dict:
+    """`config` with its token counts (`TOKEN_COUNTS`) cut where every tensor the run cuts keeps its published shape:
+    Cosmos 3's two vocabulary tables (152 K tokens x 4096, 1245 M parameters, whole on every rank) would keep its one
+    block (405 M) out of every run, and ConsisID's learned positional table, at its published grid, makes its run
+    17 776 tokens long (750 s where the others take a few)."""
+    full = {**defaults(family), **config}
+    small = {k: v for k, v in TOKEN_COUNTS.items() if type(full.get(k)) is int and full[k] > v}
+    if not small:
+        return config
+
+    def cut(config: dict) -> dict[str, tuple] | None:
+        model = on_meta(family, config)
+        if model is None:
+            return None
+        with torch.device("meta"):
+            fused = dict(model_class(family)(**config).named_parameters())
+        shapes = {**{n: tuple(p.shape) for n, p in fused.items()},
+                  **{n: tuple(p.shape) for n, p in model.named_parameters()}}
+        return {name: shapes[name] for name in cut_sizes(model, {n: p.numel() for n, p in fused.items()})}
+
+    fewer = dict(config, **small)
+    return fewer if cut(fewer) == cut(config) is not None else config
 
 
 def defaults(family: Family) -> dict:
@@ -140,6 +171,9 @@ def candidates(family: Family) -> list[tuple[int, Run]]:
                     model = on_meta(family, config)
                 if model is None:
                     continue
+                fewer = few_tokens(family, config)
+                if fewer is not config:
+                    config, model = fewer, on_meta(family, fewer)
                 with torch.device("meta"):
                     fused = {name: p.numel() for name, p in model_class(family)(**config).named_parameters()}
                 sizes = cut_sizes(model, fused)
@@ -242,7 +276,8 @@ def backward(model, kw: dict) -> tuple[torch.Tensor, dict]:
     what their hooks do with them)."""
     kw = {k: v.detach().clone().requires_grad_(True) if k in floating_inputs(kw) else v for k, v in kw.items()}
     out = output(model, kw)
-    projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    # drawn in float32 whatever the output's dtype: a float64 run (`float64_errors`) is projected on the same vector
+    projection = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
     (out * projection).sum().backward()
     return out.detach(), {k: kw[k].grad for k in floating_inputs(kw)}
 
@@ -302,6 +337,11 @@ def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[to
         module = name.rpartition(".")[0]
         scale[module] = max(scale.get(module, 0.0), largest_abs(g))
     ref["scale"] = {name: scale[name.rpartition(".")[0]] for name in grads}
+    # the parts `unfuse` slices each fused parameter into, which may take other names than the fused module's
+    # (NucleusMoE's `net.0.proj` -> `net.0.proj_gate`, `net.0.proj_up`)
+    ref["parts"] = {}
+    for s in surgery.state_dict.weight_slices(model):
+        ref["parts"].setdefault(s.fused, []).append(s.unfused)
     torch.save({name: g.contiguous() for name, g in grads.items()}, os.path.join(folder, "grads.pt"))
     del grads
     if half and "tokens" in ref:
@@ -318,20 +358,26 @@ def reference(family: Family, config: dict, half: bool, folder: str) -> tuple[to
 
 def local_chunk(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """The part of `whole` that parameter `p` holds on this rank: DTensor's cut on a one-dimensional mesh (torch.chunk
-    along the sharded dimension), or all of it where `p` is replicated; only that part is read."""
+    along the sharded dimension), or all of it where `p` is replicated; only that part is read. Where `p` holds zero
+    heads past the model's (`pad_heads`: rows or columns of zeros at the end), `whole` with zeros there: their
+    gradients must be zero."""
+    if tuple(whole.shape) != tuple(p.shape):
+        whole = torch.nn.functional.pad(whole, [x for d in reversed(range(whole.dim()))
+                                                for x in (0, p.shape[d] - whole.shape[d])])
     if not isinstance(p, DTensor) or not p.placements[0].is_shard():
         return whole
     mesh = p.device_mesh
     return whole.chunk(mesh.size(), p.placements[0].dim)[mesh.get_local_rank()]
 
 
-def compare_as_accumulated(model: torch.nn.Module, grads: dict, scale: dict,
-                           errors: dict[str, float]) -> tuple[dict, dict, list]:
+def compare_as_accumulated(model: torch.nn.Module, grads: dict, scale: dict, errors: dict[str, float],
+                           bound: float, kept: dict) -> tuple[dict, dict, list]:
     """Hooks that compare each parameter's gradient with its chunk of the reference `grads` (mapped from rank 0's
     file) when it is accumulated, then drop it: max |gradient - reference| over the module's scale. A gradient still
     to be summed over the ranks (`Partial`: a replicated norm weight inside a sharded attention) is kept for
-    `compare_partial`, after the backward: no collective runs inside a hook. Returns `errors` (filled by the
-    backward), the kept gradients and the hooks."""
+    `compare_partial`, after the backward: no collective runs inside a hook. A gradient further than `bound` from
+    the reference goes into `kept` (this rank's part), for `float64_errors`. Returns `errors` (filled by the
+    backward), the gradients still to sum and the hooks."""
     partial: dict[str, DTensor] = {}
 
     def hook(name):
@@ -341,6 +387,7 @@ def compare_as_accumulated(model: torch.nn.Module, grads: dict, scale: dict,
                 partial[name] = grad
                 return
             errors[name] = error_of(grad, p, grads.pop(name, None), scale.get(name))
+            keep(name, grad, errors[name], bound, kept)
         return compare
 
     handles = [p.register_post_accumulate_grad_hook(hook(name)) for name, p in model.named_parameters()]
@@ -355,17 +402,76 @@ def error_of(grad: torch.Tensor, p: torch.Tensor, whole: torch.Tensor | None, sc
     return max_abs_diff(local, local_chunk(whole, p)) / max(scale, 1e-30)
 
 
-def compare_partial(model: torch.nn.Module, partial: dict, grads: dict, scale: dict, errors: dict) -> None:
-    """The kept gradients placed as their parameters (a sum over the ranks), compared as the hooks compare."""
+def keep(name: str, grad: torch.Tensor, error: float, bound: float, kept: dict) -> None:
+    """This rank's part of a gradient past `bound` (a finite distance: a gradient missing on either side is no
+    rounding, and fails)."""
+    if bound < error < float("inf"):
+        kept[name] = grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def compare_partial(model: torch.nn.Module, partial: dict, grads: dict, scale: dict, errors: dict, bound: float,
+                    kept: dict) -> None:
+    """The gradients still to sum placed as their parameters (a sum over the ranks), compared as the hooks
+    compare."""
     params = dict(model.named_parameters())
     for name in sorted(partial):  # the same order on every rank: each is a collective
         p = params[name]
         grad = partial[name].redistribute(p.device_mesh, p.placements)
         errors[name] = error_of(grad, p, grads.pop(name, None), scale.get(name))
+        keep(name, grad, errors[name], bound, kept)
+
+
+def float64_errors(rank: int, mesh, family: Family, config: dict, ref: dict, past: list, kept: dict,
+                   inputs: dict, model: torch.nn.Module) -> dict[str, float]:
+    """Where a gradient is past the bound, how far this rank's sharded gradients and the stock float32 ones are
+    from the single-device model computed in float64 (as the conformance suite's `float64_errors`): an
+    ill-conditioned gradient carries more float32 rounding than the bound in the stock model itself, and the sharded
+    one passes if it is no further from float64 than stock is. Rank 0 computes the float64 gradients of the
+    parameters any rank kept (only those: the model's weights in float64, not their gradients) and of the inputs,
+    into a file each rank reads its part of."""
+    names = sorted({n for kept_names, _ in past for n in kept_names})
+    path = os.path.join(ref["folder"], "float64.pt")
+    if rank == 0:
+        seeded = loaded_as(fast_seeded(family, config, 0, torch.float32), torch.float32)
+        owners = {part: fused for fused, parts in ref["parts"].items() for part in parts}
+        wanted = {owners.get(n, n) for n in names}
+        for name in [n for n, _ in seeded.named_parameters()]:  # one at a time: float64 and float32 never both whole
+            owner, _, leaf = name.rpartition(".")
+            p = seeded.get_parameter(name)
+            setattr(seeded.get_submodule(owner), leaf,
+                    torch.nn.Parameter(p.detach().double(), requires_grad=name in wanted))
+            del p
+        seeded.double()  # the buffers
+        kw = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in inputs_at(family, config, ref["tokens"], torch.float32).items()}
+        _, inputs64 = backward(seeded, kw)
+        grads = {n: p.grad for n, p in seeded.named_parameters() if p.grad is not None}
+        slices = [s for s in surgery.state_dict.weight_slices(seeded) if s.fused in grads]
+        grads = surgery.state_dict.unfuse_state_dict(grads, slices) if slices else grads
+        torch.save({"params": {n: grads[n].contiguous() for n in names}, "inputs": inputs64}, path)
+        del seeded, grads
+    dist.barrier(group=mesh.get_group())
+    f64 = torch.load(path, mmap=True, weights_only=True)
+    stock = torch.load(os.path.join(ref["folder"], "grads.pt"), mmap=True, weights_only=True)
+    params = dict(model.named_parameters())
+    sharded, stocks = [0.0], [0.0]
+    for name, grad in kept.items():
+        whole = local_chunk(f64["params"][name], params[name])
+        scale = max(ref["scale"][name], 1e-30)
+        sharded.append(max_abs_diff(grad.double(), whole) / scale)
+        stocks.append(max_abs_diff(local_chunk(stock[name], params[name]).double(), whole) / scale)
+    if past[rank][1]:
+        for k, g in f64["inputs"].items():
+            sharded.append(input_error(None if inputs[k] is None else inputs[k].double(), g))
+            stocks.append(input_error(None if ref["inputs"][k] is None else ref["inputs"][k].double(), g))
+    dist.barrier(group=mesh.get_group())  # every rank has read the file before the next run replaces it
+    return {"sharded": max(sharded), "stock": max(stocks), "names": sorted(kept)}
 
 
 def largest_abs(t: torch.Tensor) -> float:
-    """max |t| (inf where t holds a NaN: an error, never hidden by a max)."""
+    """max |t| (inf where t holds a NaN: an error, never hidden by a max); 0 for an empty tensor."""
+    if t.numel() == 0:
+        return 0.0
     low, high = torch.aminmax(t.detach())
     low, high = low.item(), high.item()
     return float("inf") if math.isnan(low) or math.isnan(high) else max(-low, high)
@@ -386,11 +492,15 @@ def input_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     when its model holds only text blocks) has none on either side, and must have none on both."""
     if got is None or want is None:
         return 0.0 if got is None and want is None else float("inf")
+    if want.numel() == 0:  # a published config's zero-width input (Krea2's): nothing to differ, but the same shape
+        return 0.0 if got.shape == want.shape else float("inf")
     return rel(got, want)
 
 
-def one(rank: int, mesh, family: Family, config: dict, half: bool) -> dict:
-    """One model of `family` at `config` sharded over `mesh` against the single-device fused model."""
+def one(rank: int, meshes: list, family: Family, config: dict, half: bool) -> dict[int, dict]:
+    """One model of `family` at `config` against the single-device fused model, sharded over each of `meshes` in
+    turn (the first n ranks each) from the one reference: {mesh size: this rank's results} for the meshes that hold
+    this rank."""
     laps: list[tuple] = []  # (step, seconds, CPU seconds, resident GB after, peak GB so far): where a run spends
 
     def lap(step: str, clock=[time.perf_counter(), time.process_time()]) -> None:
@@ -399,24 +509,36 @@ def one(rank: int, mesh, family: Family, config: dict, half: bool) -> dict:
                      round(status("VmRSS") / 2**30, 2), round(status("VmHWM") / 2**30, 2)))
         clock[:] = now
 
-    folder = tempfile.mkdtemp(prefix="surgery-width-") if rank == 0 else None
+    # the reference gradients in memory where the system has a tmpfs: written to disk, a published block's GB of
+    # them cost ~9 of a run's ~12 s (AuraFlow, 548 M parameters); the pages count as this rank's resident memory
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    folder = tempfile.mkdtemp(prefix="surgery-width-", dir=shm) if rank == 0 else None
     if rank == 0:
-        torch.set_num_threads(mesh.size())  # the other ranks wait for this in a collective, idle
+        torch.set_num_threads(min(dist.get_world_size(), os.cpu_count() or 1))  # the other ranks wait, idle
         model, ref = reference(family, config, half, folder)
         ref["folder"] = folder
         torch.set_num_threads(1)
     else:
         model, ref = None, None
     box = [ref]
-    dist.broadcast_object_list(box, src=0, group=mesh.get_group())
+    dist.broadcast_object_list(box, src=0)
     ref = box[0]
     lap("reference")
+    out = {}
     try:
-        return sharded(rank, mesh, family, config, half, model, ref, lap, laps)
+        for mesh in meshes:
+            if rank < mesh.size():
+                if rank == 0 and model is None:  # the reference's own model went to the last mesh: the same again
+                    model = loaded_as(fast_seeded(family, config, 0, torch.float32), torch.float32)
+                out[mesh.size()] = sharded(rank, mesh, family, config, half, model, ref, lap, laps)
+                model = None
+                gc.collect()
+            dist.barrier()  # the ranks past this mesh wait here, holding nothing
     finally:
-        dist.barrier(group=mesh.get_group())  # every rank has closed the file
+        dist.barrier()  # every rank has closed the file
         if rank == 0:
             shutil.rmtree(folder)
+    return out
 
 
 def sharded(rank: int, mesh, family: Family, config: dict, half: bool, model, ref: dict, lap, laps: list) -> dict:
@@ -435,8 +557,12 @@ def sharded(rank: int, mesh, family: Family, config: dict, half: bool, model, re
     try:
         surgery.tensor_parallel(model, mesh, src_data_rank=0)
     except SurgeryError as error:  # raised on every rank at once, before anything changed
-        r["refused"] = str(error)
-        return r
+        if refusal_hint(mesh.size()).strip(", ") not in str(error):
+            r["refused"] = str(error)
+            return r
+        # heads the mesh does not divide (Z-Image's 30 over 4): padded with zero heads, as the refusal offers
+        surgery.tensor_parallel(model, mesh, src_data_rank=0, pad_heads=True)
+        r["zero_heads"] = True
     lap("tp")
     unfused = dict(model.named_parameters())
     cut = {name: n for name, n in fused.items() if name not in unfused}
@@ -448,14 +574,15 @@ def sharded(rank: int, mesh, family: Family, config: dict, half: bool, model, re
     # nothing; one block's last text stream may go unused (EasyAnimate's `txt_ff`), the rest of the block not
     def reached(name: str) -> bool:
         owner = name.rpartition(".")[0] + "."
-        return any(n == name or n.startswith(owner) for n in ref["scale"])
+        return any(n == name or n.startswith(owner) or n in ref["parts"].get(name, ()) for n in ref["scale"])
 
     r["largest_reached"] = max((n for name, n in cut.items() if reached(name)), default=0)
     # a reference gradient no parameter matches
     errors = {name: float("inf") for name in ref["scale"] if name not in unfused}
     del unfused
     grads = torch.load(os.path.join(ref["folder"], "grads.pt"), mmap=True, weights_only=True)
-    errors, partial, handles = compare_as_accumulated(model, grads, ref["scale"], errors)
+    bound, kept = grad_tolerance(family), {}
+    errors, partial, handles = compare_as_accumulated(model, grads, ref["scale"], errors, bound, kept)
     kw = inputs_at(family, config, r["tokens"], torch.float32)
     try:
         out, inputs = backward(model, kw)
@@ -471,20 +598,24 @@ def sharded(rank: int, mesh, family: Family, config: dict, half: bool, model, re
     for handle in handles:
         handle.remove()
     if "autograd_refused" not in r:
-        compare_partial(model, partial, grads, ref["scale"], errors)
+        compare_partial(model, partial, grads, ref["scale"], errors, bound, kept)
         for name in grads:  # reached by the stock forward, not by the sharded one
             errors[name] = float("inf")
         worst = max(errors, key=errors.get)
         r.update(forward=rel(out, ref["out"]), grads=errors[worst], worst=worst,
                  inputs=max((input_error(inputs[k], g) for k, g in ref["inputs"].items()), default=0.0))
-    del partial, grads
+        past = [None] * mesh.size()  # every rank of the mesh learns what any rank found past the bound
+        dist.all_gather_object(past, (sorted(kept), r["inputs"] > bound), group=mesh.get_group())
+        if any(names or ins for names, ins in past):
+            r["float64"] = float64_errors(rank, mesh, family, config, ref, past, kept, inputs, model)
+    del partial, grads, kept
     lap("sharded")
     if half:
         with torch.no_grad():
             half_model = bf16(model, family, config)
             r["bf16"] = rel(output(half_model, inputs_at(family, config, r["tokens"], torch.bfloat16)), ref["bf16"])
     lap("bf16")
-    r["laps"] = laps
+    r["laps"] = list(laps)
     return r
 
 
@@ -497,10 +628,14 @@ def trim() -> None:
         pass
 
 
-def run(rank: int, world: int, plan: list[Run], half: bool) -> list[dict]:
-    """Every run of `plan` over all `world` ranks, one after the other; per run also its seconds and this rank's
-    peak resident memory (the kernel's VmHWM, reset before the run)."""
-    mesh = init_device_mesh("cpu", (world,))
+WORLDS = (2, 4)  # each run is sharded over the first 2 ranks, then over 4, from one reference
+
+
+def run(rank: int, world: int, plan: list[Run], half: bool) -> list[dict[int, dict]]:
+    """Every run of `plan`, one after the other, at each world of `WORLDS` up to `world` ({world: results}); per run
+    also its seconds (the reference and every world) and this rank's peak resident memory over the run (the
+    kernel's VmHWM, reset before it)."""
+    meshes = [DeviceMesh("cpu", list(range(n))) for n in WORLDS if n <= world]
     results = []
     for item in plan:
         base = reset_peak()
@@ -509,13 +644,14 @@ def run(rank: int, world: int, plan: list[Run], half: bool) -> list[dict]:
         # ends with the traceback; the line below says which run it reached.
         family = families()[item.family]
         with flex_as(family.tests.flex_backward):  # flex attention has no backward on CPU: its mask made dense
-            r = one(rank, mesh, family, item.config, half)
+            by_world = one(rank, meshes, family, item.config, half)
         gc.collect()
         trim()
-        r.update(seconds=round(time.perf_counter() - clock, 1), peak=status("VmHWM"), base=base)
-        results.append(r)
+        for r in by_world.values():
+            r.update(seconds=round(time.perf_counter() - clock, 1), peak=status("VmHWM"), base=base)
+        results.append(by_world)
         if rank == 0:
-            print(f"family width: {item.family} {item.variant} {item.kinds}: {r}", flush=True)
+            print(f"family width: {item.family} {item.variant} {item.kinds}: {by_world}", flush=True)
         dist.barrier()
     return results
 
@@ -529,6 +665,10 @@ def markdown(table: dict, cap: int) -> str:
         if key == "grads" and r["grads"] is None:
             return "autograd refused by torch"
         value = max(r["grads"], r["inputs"]) if key == "grads" else r[key]
+        if key == "forward" and r.get("zero_heads"):  # heads the mesh does not divide, padded (`pad_heads`)
+            return f"{r['forward']:.1e} (zero heads)"
+        if key == "grads" and "float64" in r:  # past the bound: both against float64 (`float64_errors`)
+            return f"{value:.1e} (float64: {r['float64']['sharded']:.1e}, stock {r['float64']['stock']:.1e})"
         return {"seconds": f"{value:.0f}", "peak_gb": f"{value:.1f}"}.get(key, f"{value:.1e}")
 
     lines = [
@@ -540,10 +680,15 @@ def markdown(table: dict, cap: int) -> str:
         f"Each run: the widest published config of the family cut to one block of each kind (one model per kind where "
         f"all together exceed {cap / 1e6:.0f} M parameters), sharded by `surgery.tensor_parallel` over gloo ranks "
         "against the single-device fused model, seeded weights, 4 image and 4 text tokens. fwd: max relative error "
-        "of the fp32 output; largest cut: elements of the largest tensor the run cuts whose gradient the output "
+        "of the fp32 output (\"zero heads\": the mesh does not divide the heads, sharded with `pad_heads=True` as the "
+        "refusal offers, the zero heads' gradients held to zero); largest cut: elements of the largest tensor the run cuts whose gradient the output "
         "depends on (past 2**24 = 16.8 M where a published model's is); grad: the worst parameter gradient (max abs difference over its module's largest "
-        "gradient) or input gradient; bf16: the sharded model cast to bf16 against the whole one cast to bf16. "
-        "s: the run's seconds at world 2; GB: the ranks' resident peaks summed at world 2.",
+        "gradient) or input gradient, and where that is past the bound, how far the sharded and the stock float32 "
+        "gradients are from the model computed in float64 (the sharded ones within twice stock's distance); bf16: the sharded "
+        "model cast to bf16 against the whole one cast to bf16. Each run computes the single-device reference once, "
+        "then shards over 2 ranks, then over 4: s, the run's seconds, all of it; GB, the 4 ranks' resident peaks "
+        "over the run, summed (the reference gradients' pages, shared in memory, count once in every rank that reads "
+        "them: more than the machine holds at once).",
         "",
         "| family | variant | blocks | parameters | largest cut | w2 fwd | w2 grad | w2 bf16 | w4 fwd | w4 grad "
         "| w4 bf16 | s | GB |",
@@ -554,16 +699,15 @@ def markdown(table: dict, cap: int) -> str:
         lines.append(f"| {row['family']} | {row['variant']} | {row['kinds']} | {row['parameters'] / 1e6:.0f} M "
                      f"| {largest / 1e6:.1f} M | " + " | ".join(cell(row, w, k) for w in (2, 4)
                                                           for k in ("forward", "grads", "bf16"))
-                     + f" | {cell(row, 2, 'seconds')} | {cell(row, 2, 'peak_gb')} |")
+                     + f" | {cell(row, 4, 'seconds')} | {cell(row, 4, 'peak_gb')} |")
     worst = {f"w{w} {k}": max((max(r[f"w{w}"][k], r[f"w{w}"]["inputs"]) if k == "grads" else r[f"w{w}"][k])
                               for r in table.values() if r.get(f"w{w}") and r[f"w{w}"][k] is not None)
              for w in (2, 4) for k in ("forward", "grads", "bf16") if any(f"w{w}" in r for r in table.values())}
     lines += ["", "Worst over the table: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + "."]
-    for w in (2, 4):
-        done = [r[f"w{w}"] for r in table.values() if r.get(f"w{w}")]
-        if done:
-            lines.append(f"World {w}: {len(done)} runs, {sum(r['seconds'] for r in done):.0f} s of runs in all "
-                         f"(each run's seconds, without the jobs' start), the largest resident peak summed over the "
-                         f"ranks {max(r['peak_gb'] for r in done):.1f} GB.")
+    done = [r["w4"] for r in table.values() if r.get("w4")]
+    if done:
+        lines.append(f"{len(done)} runs, {sum(r['seconds'] for r in done):.0f} s of runs in all (each run's seconds, "
+                     f"without the jobs' start), the largest resident peak summed over the ranks "
+                     f"{max(r['peak_gb'] for r in done):.1f} GB.")
     lines.append("")
     return "\n".join(lines)

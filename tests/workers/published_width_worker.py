@@ -64,7 +64,8 @@ def fast_seeded(family, config: dict, seed: int = 0, dtype: torch.dtype = DTYPE)
         start = int(torch.randint(PERIOD, (), generator=generator))
         period = block[start:start + PERIOD]
         if param.dim() > 1:  # N(0, 1) where the module scales its weight itself (`self_scaled`)
-            period = period if name in scaled else period * param.shape[-1] ** -0.5
+            # an empty matrix has no fan-in to scale by (Krea2's text-fusion projector, 1 x 0 in a run without those blocks)
+            period = period if name in scaled or n == 0 else period * param.shape[-1] ** -0.5
         else:
             period = period * 0.1 + 1.0
         value = torch.empty(n, dtype=dtype)
