@@ -426,7 +426,7 @@ def float64_errors(rank: int, mesh, family: Family, config: dict, ref: dict, pas
     """Where a gradient is past the bound, how far this rank's sharded gradients and the stock float32 ones are
     from the single-device model computed in float64 (as the conformance suite's `float64_errors`): an
     ill-conditioned gradient carries more float32 rounding than the bound in the stock model itself, and the sharded
-    one passes if it is no further from float64 than stock is. Rank 0 computes the float64 gradients of the
+    one passes within `ROUNDING_SPREAD` times stock's distance (the test checks). Rank 0 computes the float64 gradients of the
     parameters any rank kept (only those: the model's weights in float64, not their gradients) and of the inputs,
     into a file each rank reads its part of."""
     names = sorted({n for kept_names, _ in past for n in kept_names})
@@ -492,7 +492,7 @@ def input_error(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
     when its model holds only text blocks) has none on either side, and must have none on both."""
     if got is None or want is None:
         return 0.0 if got is None and want is None else float("inf")
-    if want.numel() == 0:  # a published config's zero-width input (Krea2's): nothing to differ, but the same shape
+    if want.numel() == 0:  # an empty input (Krea2's): nothing to differ, but the same shape
         return 0.0 if got.shape == want.shape else float("inf")
     return rel(got, want)
 
